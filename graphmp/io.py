@@ -1,0 +1,220 @@
+"""Reading and writing models without surprises.
+
+- `load_model` never loads external data: weights are read one tensor at a time
+  (`tensor_array`), so models over 2 GB cost their graph structure plus one tensor.
+- `save_model` writes atomically (temporary files, fsync, rename) and streams
+  external data tensor by tensor, converting the ones marked for conversion on the
+  way, so peak memory stays near the largest tensor.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import TensorProto
+
+from .errors import GraphmpError
+
+TWO_GB = 2**31
+INLINE_LIMIT = 1024  # tensors this small stay inline when writing external data
+
+
+def iter_graphs(graph):
+    """Every GraphProto in the model: the main graph and all subgraphs."""
+    yield graph
+    for n in graph.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from iter_graphs(a.g)
+            for g in a.graphs:
+                yield from iter_graphs(g)
+
+
+def is_external(t: TensorProto) -> bool:
+    return t.data_location == TensorProto.EXTERNAL
+
+
+def external_info(t: TensorProto) -> dict:
+    return {e.key: e.value for e in t.external_data}
+
+
+def np_dtype(elem_type: int):
+    if elem_type == TensorProto.BFLOAT16:
+        return np.dtype(np.uint16)
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+
+
+def tensor_nbytes(t: TensorProto) -> int:
+    n = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1
+    if t.data_type == TensorProto.STRING:
+        return sum(len(s) for s in t.string_data)
+    return n * np_dtype(t.data_type).itemsize
+
+
+def tensor_array(t: TensorProto, base_dir: str) -> np.ndarray:
+    """The tensor's values (bfloat16 comes back as raw uint16), reading external data
+    from `base_dir` without attaching it to the proto."""
+    if not is_external(t):
+        if t.data_type == TensorProto.BFLOAT16 and t.raw_data:
+            return np.frombuffer(t.raw_data, dtype=np.uint16).reshape(tuple(t.dims))
+        return onnx.numpy_helper.to_array(t)
+    info = external_info(t)
+    path = os.path.join(base_dir, info["location"])
+    offset = int(info.get("offset", 0))
+    dtype = np_dtype(t.data_type)
+    count = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1
+    with open(path, "rb") as f:
+        f.seek(offset)
+        buf = f.read(count * dtype.itemsize)
+    if len(buf) != count * dtype.itemsize:
+        raise GraphmpError(f"{path}: external data for tensor '{t.name}' is truncated "
+                           f"(wanted {count * dtype.itemsize} bytes at offset {offset}, got {len(buf)}). "
+                           "Copy the complete .data file next to the model.")
+    return np.frombuffer(buf, dtype=dtype).reshape(tuple(t.dims))
+
+
+def load_model(path: str) -> onnx.ModelProto:
+    """Load the graph (not the external weights) with clear errors for bad input."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise GraphmpError(f"{path}: no such file. Give the path of an .onnx model.")
+    if os.path.isdir(path):
+        raise GraphmpError(f"{path}: is a directory. Give the path of an .onnx model file.")
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError, OSError) as e:
+        raise GraphmpError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e)[:120]}). "
+                           "Check that the file is a complete .onnx export (not truncated, not another format).") from None
+    if not model.graph.node or not model.graph.output:
+        raise GraphmpError(f"{path}: parsed, but holds no graph (no nodes or no outputs); the file is "
+                           "probably truncated or not an ONNX model. Re-export it.")
+    if not model.opset_import:
+        raise GraphmpError(f"{path}: the model declares no opset_import; it is not a valid ONNX model.")
+    base = os.path.dirname(os.path.abspath(path))
+    for g in iter_graphs(model.graph):
+        for t in g.initializer:
+            if is_external(t):
+                info = external_info(t)
+                loc = info.get("location", "")
+                full = os.path.join(base, loc)
+                if not loc or not os.path.isfile(full):
+                    raise GraphmpError(f"{path}: tensor '{t.name}' is stored in external data file '{loc}', "
+                                       f"which is missing (looked in {base}). Copy it next to the model.")
+                end = int(info.get("offset", 0)) + int(info.get("length", tensor_nbytes(t)))
+                if os.path.getsize(full) < end:
+                    raise GraphmpError(f"{full}: external data is truncated: tensor '{t.name}' ends at byte "
+                                       f"{end}, the file has {os.path.getsize(full)}. Copy the complete file.")
+    return model
+
+
+def model_weight_bytes(model: onnx.ModelProto) -> int:
+    return sum(tensor_nbytes(t) for g in iter_graphs(model.graph) for t in g.initializer)
+
+
+def check_writable(out_path: str, src_path: str | None):
+    out_abs = os.path.abspath(out_path)
+    if src_path is not None and os.path.abspath(src_path) == out_abs:
+        raise GraphmpError(f"{out_path}: output path is the input path; graphmp never overwrites its input. "
+                           "Choose another output name with -o.")
+    d = os.path.dirname(out_abs)
+    if not os.path.isdir(d):
+        raise GraphmpError(f"{out_path}: output folder {d} does not exist. Create it first.")
+    if not os.access(d, os.W_OK):
+        raise GraphmpError(f"{out_path}: cannot write to folder {d} (permission denied). Choose a writable output path.")
+
+
+CONVERT_MARK = "graphmp:convert-to:"
+
+
+def materialize(t: TensorProto, src_dir: str | None, convert_fn) -> None:
+    """Bring an external tensor inline, applying a deferred conversion (marked in
+    doc_string by the apply pass) on the way."""
+    mark = t.doc_string.startswith(CONVERT_MARK)
+    if not mark and not is_external(t):
+        return
+    arr = tensor_array(t, src_dir)
+    if mark:
+        elem, raw = convert_fn(arr, int(t.doc_string[len(CONVERT_MARK):]))
+        t.ClearField("doc_string")
+        t.data_type = elem
+    else:
+        raw = arr.tobytes()
+    for f in ("raw_data", "float_data", "double_data"):
+        t.ClearField(f)
+    del t.external_data[:]
+    t.data_location = TensorProto.DEFAULT
+    t.raw_data = raw
+
+
+def save_model(model: onnx.ModelProto, out_path: str, src_dir: str | None, convert_fn,
+               external: bool, progress=None):
+    """Write `model` to `out_path` atomically.
+
+    convert_fn(array, elem_type) -> (elem_type, bytes) applies conversions deferred to
+    this streaming write (external tensors marked by the apply pass).
+    external: write weights to '<out name>.data' next to the model.
+    """
+    out_path = os.path.abspath(out_path)
+    d = os.path.dirname(out_path)
+    data_name = os.path.basename(out_path) + ".data"
+    tmp_files = []
+    try:
+        data_tmp = None
+        if external:
+            fd, data_tmp = tempfile.mkstemp(prefix=".graphmp-", suffix=".data.tmp", dir=d)
+            tmp_files.append(data_tmp)
+            data_f = os.fdopen(fd, "wb")
+        offset = 0
+        tensors = [t for g in iter_graphs(model.graph) for t in g.initializer]
+        for i, t in enumerate(tensors):
+            if progress and i % 50 == 0:
+                progress(i, len(tensors))
+            if external and is_external(t) and not t.doc_string.startswith(CONVERT_MARK):
+                raw = tensor_array(t, src_dir).tobytes()  # copied as it is, one tensor at a time
+            else:
+                materialize(t, src_dir, convert_fn)
+                if not external or tensor_nbytes(t) <= INLINE_LIMIT or t.data_type == TensorProto.STRING:
+                    continue
+                raw = t.raw_data or onnx.numpy_helper.to_array(t).tobytes()
+            pad = (-offset) % 64
+            if pad:
+                data_f.write(b"\0" * pad)
+                offset += pad
+            data_f.write(raw)
+            for f in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                t.ClearField(f)
+            del t.external_data[:]
+            t.data_location = TensorProto.EXTERNAL
+            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(len(raw)))):
+                e = t.external_data.add()
+                e.key, e.value = k, v
+            offset += len(raw)
+        if external:
+            data_f.flush()
+            os.fsync(data_f.fileno())
+            data_f.close()
+        blob = model.SerializeToString()
+        if len(blob) >= TWO_GB:
+            raise GraphmpError(f"{out_path}: the model is over 2 GB; write it with --external-data.")
+        fd, model_tmp = tempfile.mkstemp(prefix=".graphmp-", suffix=".onnx.tmp", dir=d)
+        tmp_files.append(model_tmp)
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        if external:
+            os.replace(data_tmp, os.path.join(d, data_name))
+        os.replace(model_tmp, out_path)
+        tmp_files.clear()
+    except OSError as e:
+        raise GraphmpError(f"{out_path}: could not write the output ({e.strerror or e}). "
+                           "Check free disk space and permissions; nothing was written.") from None
+    finally:
+        for f in tmp_files:
+            try:
+                os.unlink(f)
+            except OSError:
+                pass

@@ -1,0 +1,239 @@
+"""A thin view over an ONNX ModelProto: graphs with scopes (subgraphs of If/Loop/Scan
+see their parents' values), nodes with stable identity, tensor types, unique names,
+and topological sorting that understands outer-scope captures.
+
+Weights are never copied here: initializers stay where the proto keeps them (inline
+or external data), so a 3 GB model costs only its graph structure.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import onnx
+from onnx import GraphProto, ModelProto, NodeProto
+
+from .errors import GraphmpError
+
+
+class Node:
+    """One NodeProto plus the graph it lives in and its subgraphs (by attribute)."""
+
+    __slots__ = ("proto", "graph", "subgraphs", "order")
+
+    def __init__(self, proto: NodeProto, graph: "Graph", order: float):
+        self.proto = proto
+        self.graph = graph
+        self.order = order
+        self.subgraphs: list[Graph] = []
+
+    @property
+    def name(self) -> str:
+        return self.proto.name
+
+    @property
+    def op_type(self) -> str:
+        return self.proto.op_type
+
+    @property
+    def domain(self) -> str:
+        return self.proto.domain
+
+    @property
+    def inputs(self):
+        return self.proto.input
+
+    @property
+    def outputs(self):
+        return self.proto.output
+
+    def attr(self, name, default=None):
+        for a in self.proto.attribute:
+            if a.name == name:
+                return onnx.helper.get_attribute_value(a)
+        return default
+
+    def implicit_inputs(self) -> set[str]:
+        """Outer-scope names read by this node's subgraphs (recursively)."""
+        names: set[str] = set()
+        for sg in self.subgraphs:
+            names |= sg.free_names()
+        return names
+
+    def __repr__(self):
+        return f"Node({self.op_type} '{self.name}')"
+
+
+class Graph:
+    def __init__(self, proto: GraphProto, parent: "Graph | None", key: str, owner: Node | None = None):
+        self.proto = proto
+        self.parent = parent
+        self.key = key
+        self.owner = owner
+        self.nodes: list[Node] = [Node(n, self, i) for i, n in enumerate(proto.node)]
+        self.initializers = {t.name: t for t in proto.initializer}
+        self.input_names = [v.name for v in proto.input]
+        self.output_names = [v.name for v in proto.output]
+        self.children: list[Graph] = []
+        for node in self.nodes:
+            for a in node.proto.attribute:
+                graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else (
+                    list(a.graphs) if a.type == onnx.AttributeProto.GRAPHS else [])
+                for j, g in enumerate(graphs):
+                    sub = Graph(g, self, f"{key}/{node.name}.{a.name}{j or ''}", node)
+                    node.subgraphs.append(sub)
+                    self.children.append(sub)
+
+    # --- scopes -------------------------------------------------------------
+    def local_names(self) -> set[str]:
+        names = set(self.input_names) | set(self.initializers)
+        for n in self.nodes:
+            names.update(o for o in n.outputs if o)
+        return names
+
+    def free_names(self) -> set[str]:
+        """Names this graph (and its subgraphs) read but do not define: outer-scope captures."""
+        local = self.local_names()
+        used = set()
+        for n in self.nodes:
+            used.update(i for i in n.inputs if i)
+            used |= n.implicit_inputs()
+        used.update(self.output_names)
+        return used - local
+
+    def owner_of(self, name: str) -> "Graph | None":
+        """The graph (this one or an ancestor) that defines `name`."""
+        g = self
+        while g is not None:
+            if name in g._defined():
+                return g
+            g = g.parent
+        return None
+
+    def _defined(self) -> set[str]:
+        cache = getattr(self, "_defined_cache", None)
+        if cache is None:
+            cache = self.local_names()
+            self._defined_cache = cache
+        return cache
+
+    def invalidate(self):
+        self._defined_cache = None
+
+    def walk(self):
+        yield self
+        for c in self.children:
+            yield from c.walk()
+
+    # --- edges --------------------------------------------------------------
+    def producers(self) -> dict[str, Node]:
+        return {o: n for n in self.nodes for o in n.outputs if o}
+
+    def consumers(self) -> dict[str, list[Node]]:
+        """Tensor name -> nodes of this graph reading it (directly or from a subgraph)."""
+        out: dict[str, list[Node]] = {}
+        for n in self.nodes:
+            for name in dict.fromkeys(list(n.inputs) + sorted(n.implicit_inputs())):
+                if name:
+                    out.setdefault(name, []).append(n)
+        return out
+
+    # --- writing back ---------------------------------------------------------
+    def toposort(self, model_path: str = "<model>"):
+        """Sort nodes so every value is defined before use (outer-scope captures of
+        subgraphs count as inputs). Keeps the original order where it is free."""
+        produced = {o: n for n in self.nodes for o in n.outputs if o}
+        deps = {}
+        for n in self.nodes:
+            reads = set(i for i in n.inputs if i) | n.implicit_inputs()
+            deps[id(n)] = {id(produced[r]) for r in reads if r in produced and produced[r] is not n}
+        users: dict[int, list[Node]] = {id(n): [] for n in self.nodes}
+        for n in self.nodes:
+            for d in deps[id(n)]:
+                users[d].append(n)
+        indeg = {id(n): len(deps[id(n)]) for n in self.nodes}
+        tie = itertools.count()
+        heap = [(n.order, next(tie), n) for n in self.nodes if indeg[id(n)] == 0]
+        heapq.heapify(heap)
+        out = []
+        while heap:
+            _, _, n = heapq.heappop(heap)
+            out.append(n)
+            for u in users[id(n)]:
+                indeg[id(u)] -= 1
+                if indeg[id(u)] == 0:
+                    heapq.heappush(heap, (u.order, next(tie), u))
+        if len(out) != len(self.nodes):
+            stuck = [n.name for n in self.nodes if indeg[id(n)] > 0][:5]
+            raise GraphmpError(f"{model_path}: graph '{self.key}' has a cycle through nodes {stuck}; "
+                               "the model is not a valid ONNX DAG. Re-export it.")
+        self.nodes = out
+        for i, n in enumerate(out):
+            n.order = i
+
+    def write_back(self):
+        """Store node order/additions into the GraphProto (children first)."""
+        for c in self.children:
+            c.write_back()
+        protos = []
+        for n in self.nodes:
+            p = NodeProto()
+            p.CopyFrom(n.proto)
+            protos.append(p)
+        self.proto.ClearField("node")
+        self.proto.node.extend(protos)
+        # re-point wrappers at the stored protos so later edits land in the model
+        for n, p in zip(self.nodes, self.proto.node):
+            n.proto = p
+            subs = iter(n.subgraphs)
+            for a in p.attribute:
+                graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+                for g in graphs:
+                    next(subs).proto = g
+
+
+class Names:
+    """Fresh, model-wide unique names for nodes and tensors."""
+
+    def __init__(self, model: ModelProto):
+        self.used: set[str] = set()
+        stack = [model.graph]
+        while stack:
+            g = stack.pop()
+            self.used.update(v.name for v in itertools.chain(g.input, g.output, g.value_info, g.initializer))
+            for n in g.node:
+                self.used.add(n.name)
+                self.used.update(n.input)
+                self.used.update(n.output)
+                for a in n.attribute:
+                    if a.type == onnx.AttributeProto.GRAPH:
+                        stack.append(a.g)
+                    stack.extend(a.graphs)
+        self.counter = itertools.count()
+
+    def fresh(self, base: str) -> str:
+        name = base
+        while name in self.used:
+            name = f"{base}_{next(self.counter)}"
+        self.used.add(name)
+        return name
+
+
+def name_nodes(model: ModelProto, names: Names) -> int:
+    """Give every unnamed or duplicate-named node (in every graph) a unique name.
+    Returns how many nodes were renamed."""
+    seen: set[str] = set()
+    renamed = 0
+    stack = [model.graph]
+    while stack:
+        g = stack.pop()
+        for n in g.node:
+            if not n.name or n.name in seen:
+                n.name = names.fresh(f"{n.op_type}_{n.name}" if n.name else n.op_type)
+                renamed += 1
+            seen.add(n.name)
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    stack.append(a.g)
+                stack.extend(a.graphs)
+    return renamed

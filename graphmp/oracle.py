@@ -1,0 +1,134 @@
+"""Running models: ONNX Runtime (CPU, or CUDA when present) and an FP16-faithful oracle.
+
+ONNX Runtime's CPU provider computes almost every FP16 op in FP32 and removes the
+model's own round trips, so an FP16 overflow never shows there. `run_reference`
+uses onnx.reference.ReferenceEvaluator, which computes each op in the dtype the graph
+declares (as a GPU does), with one override: BatchNormalization always runs in
+inference mode (the reference runs opset 9-13 BN in training mode when the legacy
+`momentum` attribute is present).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+from onnx.reference import ReferenceEvaluator
+from onnx.reference.op_run import OpRun
+
+from .errors import GraphmpError
+
+DEFAULT_DIM = 16
+
+
+class BatchNormalization(OpRun):
+    op_domain = ""
+
+    def _run(self, x, scale, bias, mean, var, epsilon=None, momentum=None, training_mode=None,
+             spatial=None, is_test=None, consumed_inputs=None):
+        eps = 1e-5 if epsilon is None else epsilon
+        shape = (1, -1) + (1,) * (x.ndim - 2)
+        acc = np.float32 if x.dtype != np.float64 else np.float64
+        y = (x.astype(acc) - mean.astype(acc).reshape(shape)) / np.sqrt(var.astype(acc).reshape(shape) + eps)
+        y = y * scale.astype(acc).reshape(shape) + bias.astype(acc).reshape(shape)
+        return (y.astype(x.dtype),)
+
+
+def _np_type(elem):
+    return onnx.helper.tensor_dtype_to_np_dtype(elem)
+
+
+def input_specs(model: onnx.ModelProto):
+    """[(name, elem_type, [dim or dim_param or None])] of the real graph inputs."""
+    inits = {t.name for t in model.graph.initializer}
+    specs = []
+    for v in model.graph.input:
+        if v.name in inits:
+            continue
+        tt = v.type.tensor_type
+        dims = []
+        for d in tt.shape.dim:
+            dims.append(d.dim_value if d.HasField("dim_value") else (d.dim_param or None))
+        specs.append((v.name, tt.elem_type, dims))
+    return specs
+
+
+def make_inputs(model, seed: int = 0, batch: int = 1, dim: int = DEFAULT_DIM) -> dict:
+    """Deterministic inputs: N(0,1) floats, {0,1} integers (ones for names with 'mask'),
+    random booleans. Symbolic dims: `batch` for the first axis, `dim` elsewhere; the
+    same dim_param gets the same size everywhere."""
+    if not isinstance(model, onnx.ModelProto):
+        model = onnx.load(os.fspath(model), load_external_data=False)
+    rng = np.random.default_rng(seed)
+    sizes: dict = {}
+    feeds = {}
+    for name, elem, dims in input_specs(model):
+        shape = []
+        for i, d in enumerate(dims):
+            if isinstance(d, int) and d > 0:
+                shape.append(d)
+            elif isinstance(d, int):
+                shape.append(d)
+            else:
+                default = batch if i == 0 else dim
+                shape.append(sizes.setdefault(d, default) if d else default)
+        if elem in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE):
+            feeds[name] = rng.standard_normal(shape).astype(_np_type(elem))
+        elif elem == TensorProto.BOOL:
+            feeds[name] = rng.integers(0, 2, shape).astype(bool)
+        elif "mask" in name.lower():
+            feeds[name] = np.ones(shape, dtype=_np_type(elem))
+        else:
+            feeds[name] = rng.integers(0, 2, shape).astype(_np_type(elem))
+    return feeds
+
+
+def load_feeds(path) -> list[dict]:
+    """One batch of named inputs from an .npz (one array per model input)."""
+    try:
+        with np.load(os.fspath(path)) as z:
+            return [{k: z[k] for k in z.files}]
+    except (OSError, ValueError) as e:
+        raise GraphmpError(f"{path}: not a readable .npz of inputs ({e}). Save one with "
+                           "numpy.savez(path, **{input_name: array}).") from None
+
+
+def ort_session(model, providers=None, base_dir=None, optimize=True):
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    providers = providers or ["CPUExecutionProvider"]
+    if isinstance(model, onnx.ModelProto):
+        if base_dir:
+            so.add_session_config_entry("session.model_external_initializers_file_folder_path", base_dir)
+        return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+    return ort.InferenceSession(os.fspath(model), so, providers=providers)
+
+
+def run_ort(model, feeds: dict, providers=None) -> dict:
+    """Outputs by name from ONNX Runtime (CPU unless providers say otherwise)."""
+    sess = ort_session(model, providers)
+    names = [o.name for o in sess.get_outputs()]
+    wanted = {i.name for i in sess.get_inputs()}
+    return dict(zip(names, sess.run(names, {k: v for k, v in feeds.items() if k in wanted})))
+
+
+def run_reference(model, feeds: dict) -> dict:
+    """Outputs by name with every op computed in its declared dtype (FP16-faithful)."""
+    if not isinstance(model, onnx.ModelProto):
+        model = onnx.load(os.fspath(model))
+    ev = ReferenceEvaluator(model, new_ops=[BatchNormalization])
+    wanted = set(ev.input_names)
+    outs = ev.run(None, {k: v for k, v in feeds.items() if k in wanted})
+    return dict(zip(ev.output_names, outs))
+
+
+def cuda_available() -> bool:
+    try:
+        import onnxruntime as ort
+        return "CUDAExecutionProvider" in ort.get_available_providers()
+    except ImportError:
+        return False

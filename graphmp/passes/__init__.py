@@ -1,0 +1,1 @@
+"""The conversion passes, in pipeline order: prepare, types, calibrate, classify, paint, apply."""

@@ -1,0 +1,226 @@
+"""apply: rewrite the graph to the painted precision plan.
+
+Guarantees:
+- a lowered node reads its retyped inputs in the target type and produces its retyped
+  outputs in it; every other node reads exactly the types it read in the source, so
+  its attributes (Cast `to`, dtype, ConstantOfShape value) stay consistent;
+- one Cast per (tensor, type), shared by all consumers, placed in the graph that owns
+  the tensor (subgraphs read it by outer-scope capture);
+- a consumer that needs the FP32 value of a tensor whose producer is FP32 reads it
+  directly (no FP16 round trip); a Cast(FP16->FP32) in the source followed by a need
+  for FP16 reads the FP16 value itself;
+- float initializers read in low precision are converted offline: in place when every
+  consumer wants the low type, else as a second copy; external tensors are converted
+  while streaming the output (io.save_model);
+- graph inputs/outputs keep their declared types (keep_io_types; always for
+  subgraphs); an output also read inside the graph serves each reader its type.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from ..context import FLOAT
+from ..io import CONVERT_MARK, is_external, tensor_array
+SUFFIX = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}
+
+
+def to_low(arr: np.ndarray, low: int):
+    """(elem_type, raw bytes) of a float32 array in the low type (round to nearest even)."""
+    a = np.asarray(arr, dtype=np.float32)
+    if low == TensorProto.FLOAT16:
+        return low, a.astype(np.float16).tobytes()
+    bits = a.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    rounded = np.where(np.isnan(a), np.uint16(0x7FC0), rounded)
+    return low, rounded.tobytes()
+
+
+def low_from_bytes(raw: bytes, low: int) -> np.ndarray:
+    if low == TensorProto.FLOAT16:
+        return np.frombuffer(raw, dtype=np.float16).astype(np.float32)
+    return (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+class Rewriter:
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.low = ctx.low
+        self.produced = {}   # (owner key, name) -> elem type after rewriting
+        self.current = {}    # (owner key, name) -> name holding the produced value
+        self.cache = {}      # (owner key, name, type) -> name holding that variant
+        self.casts_added = 0
+        self.rounding = []
+        self.prods = {g.key: g.producers() for g in ctx.root.walk()}
+
+    # --- types ----------------------------------------------------------------
+    def ptype(self, owner, name):
+        return self.produced.get((owner.key, name), self.ctx.types.get(owner.key, {}).get(name))
+
+    # --- resolve a (tensor, type) need ------------------------------------------
+    def get(self, g, name, want):
+        owner = g.owner_of(name)
+        if owner is None or want is None:
+            return name
+        key = (owner.key, name)
+        cur = self.ptype(owner, name)
+        cur_name = self.current.get(key, name)
+        if cur == want or cur is None:
+            return cur_name
+        if (owner.key, name, want) in self.cache:
+            return self.cache[(owner.key, name, want)]
+        p = self.prods[owner.key].get(name)
+        if p is not None and p.op_type == "Cast" and cur == FLOAT and want in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
+            src = p.inputs[0]
+            src_owner = owner.owner_of(src)
+            if src_owner is not None and self.ptype(src_owner, src) == want:
+                out = self.current.get((src_owner.key, src), src)
+                self.cache[(owner.key, name, want)] = out
+                return out
+        out = self.ctx.names.fresh(f"{cur_name}_{SUFFIX.get(want, want)}")
+        node = helper.make_node("Cast", [cur_name], [out], to=want,
+                                name=self.ctx.names.fresh(f"graphmp_cast_{out}"))
+        self._insert(owner, node, after=p)
+        self.casts_added += 1
+        self.cache[(owner.key, name, want)] = out
+        return out
+
+    def _insert(self, owner, node_proto, after):
+        from ..ir import Node
+        order = after.order + 0.5 if after is not None else -1.0
+        owner.nodes.append(Node(node_proto, owner, order))
+        owner.invalidate()
+
+    # --- initializers -------------------------------------------------------------
+    def convert_initializer(self, owner, t: TensorProto, new_name: str | None):
+        """Convert `t` (or a copy named new_name) to the low type, offline."""
+        ctx = self.ctx
+        if new_name is not None:
+            dst = owner.proto.initializer.add()
+            dst.CopyFrom(t)
+            dst.name = new_name
+            owner.initializers[new_name] = dst
+            owner.invalidate()
+        else:
+            dst = t
+        if is_external(t):
+            dst.doc_string = CONVERT_MARK + str(self.low)  # io.save_model converts it while streaming
+            self.rounding.append({"initializer": dst.name, "deferred": True, "elements": int(np.prod(t.dims))})
+            return dst.name
+        arr = tensor_array(t, ctx.base_dir).astype(np.float32)
+        elem, raw = to_low(arr, self.low)
+        back = low_from_bytes(raw, self.low).reshape(arr.shape)
+        self._note_rounding(dst.name, arr, back)
+        for f in ("float_data", "raw_data", "double_data"):
+            dst.ClearField(f)
+        dst.data_type = elem
+        dst.raw_data = raw
+        return dst.name
+
+    def _note_rounding(self, name, arr, back):
+        diff = np.abs(back - arr)
+        changed = int(np.count_nonzero(back != arr))
+        if not changed:
+            return
+        finite = np.isfinite(arr)
+        rel = diff[finite] / np.maximum(np.abs(arr[finite]), 1e-30)
+        self.rounding.append({
+            "initializer": name, "elements": int(arr.size), "changed": changed,
+            "max_abs_change": float(diff[finite].max()) if finite.any() else 0.0,
+            "max_rel_change": float(rel.max()) if rel.size else 0.0,
+            "flushed_to_zero": int(np.count_nonzero((back == 0) & (arr != 0))),
+            "overflowed": int(np.count_nonzero(np.isinf(back) & finite)),
+        })
+
+
+def apply(ctx):
+    rw = Rewriter(ctx)
+    low = ctx.low
+    graphs = list(ctx.root.walk())
+
+    # 1. produced types of lowered nodes' outputs, and of main-graph inputs without keep-io
+    for g in graphs:
+        for n in g.nodes:
+            if id(n) in ctx.lowered:
+                for i in ctx.info[id(n)].low_outputs:
+                    rw.produced[(g.key, n.outputs[i])] = low
+    if not ctx.options.keep_io_types:
+        for v in ctx.root.proto.input:
+            if ctx.types["main"].get(v.name) == FLOAT:
+                rw.produced[("main", v.name)] = low
+                v.type.tensor_type.elem_type = low
+
+    # 2. every need: (graph, consumer slot, tensor, wanted type)
+    needs = []
+    for g in graphs:
+        for n in g.nodes:
+            lowered = id(n) in ctx.lowered
+            low_in = set(ctx.info[id(n)].low_inputs) if lowered else set()
+            for i, x in enumerate(n.inputs):
+                if not x:
+                    continue
+                want = low if i in low_in else ctx.type_of(g, x)
+                needs.append((g, n, i, x, want))
+
+    # 3. initializers wanted in low precision: in place, or a second copy
+    init_wants = {}
+    for g, n, i, x, want in needs:
+        owner = g.owner_of(x)
+        if owner is not None and x in owner.initializers:
+            init_wants.setdefault((owner.key, x), (owner, set()))[1].add(want)
+    for (okey, x), (owner, wants) in init_wants.items():
+        t = owner.initializers[x]
+        if low not in wants or t.data_type != FLOAT:
+            continue
+        outward = x in owner.output_names
+        if wants == {low} and not outward:
+            rw.convert_initializer(owner, t, None)
+            rw.produced[(okey, x)] = low
+        else:
+            name = rw.convert_initializer(owner, t, ctx.names.fresh(f"{x}_{SUFFIX[low]}"))
+            rw.cache[(okey, x, low)] = name
+
+    # 4. graph outputs keep declared types: rename the low producer, Cast back under the name
+    for g in graphs:
+        for v in g.proto.output:
+            y = v.name
+            declared = ctx.types[g.key].get(y)
+            cur = rw.ptype(g, y)
+            if cur == declared or declared is None:
+                continue
+            if g is ctx.root and not ctx.options.keep_io_types:
+                v.type.tensor_type.elem_type = cur
+                continue
+            p = rw.prods[g.key].get(y)
+            if p is None:  # a subgraph output naming an outer-scope value
+                if g is not ctx.root:
+                    v.name = rw.get(g, y, declared)
+                continue
+            new = ctx.names.fresh(f"{y}_{SUFFIX.get(cur, cur)}")
+            for j, o in enumerate(p.outputs):
+                if o == y:
+                    p.proto.output[j] = new
+            rw.current[(g.key, y)] = new
+            rw.prods[g.key][new] = p
+            node = helper.make_node("Cast", [new], [y], to=declared, name=ctx.names.fresh(f"graphmp_cast_{y}"))
+            rw._insert(g, node, after=p)
+            rw.casts_added += 1
+            rw.cache[(g.key, y, declared)] = y
+
+    # 5. rewire every consumer
+    for g, n, i, x, want in needs:
+        n.proto.input[i] = rw.get(g, x, want)
+
+    # 6. value_info follows the new types
+    for g in graphs:
+        for v in g.proto.value_info:
+            if v.name in g.output_names:
+                continue
+            t = rw.produced.get((g.key, v.name))
+            if t is not None and v.type.HasField("tensor_type"):
+                v.type.tensor_type.elem_type = t
+
+    ctx.report["casts_added"] = rw.casts_added
+    ctx.report["rounding"] = rw.rounding
+    return rw

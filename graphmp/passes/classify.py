@@ -1,0 +1,152 @@
+"""classify: for every node, its op class and whether it may run in low precision.
+
+A node may be lowered only where the schema at the model's opset allows the target
+type for every float type variable that gets retyped. It must stay FP32 (with the
+reason recorded) when any of these hold, in this order of precedence:
+  1. --fp16-nodes matches its name: forced low precision where the schema allows it;
+  2. --fp32-nodes / --fp32-ops name it;
+  3. it is a custom/unknown op, has no low-precision form at this opset, or touches a
+     tensor whose type could not be proven;
+  4. it is a Cast producing FP32 from integers (shape arithmetic, element counts that
+     can exceed 65504) or from FP16 (a deliberate FP32 island in the source);
+  5. an initializer it reads would change meaning in the target type (beyond the
+     range, or a small constant that rounds to zero);
+  6. calibration saw a value above the range threshold on one of its float tensors;
+  7. its op class is fp32 (reductions, Softmax, normalisations, Exp/Log, ...).
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+from onnx import TensorProto
+
+from .. import ops
+from ..context import FLOAT, NodeInfo
+from ..io import tensor_array
+
+FP16_MAX = 65504.0
+FP16_TINY = 2.0 ** -24          # smallest FP16 subnormal: below half of it rounds to 0
+BF16_MAX = 3.3895e38
+SMALL_CONST = 64                # initializers this small are constants (eps, scales, masks)
+
+
+def _schema_info(ctx, g, n, cls) -> NodeInfo:
+    low = ctx.low
+    if cls == "fixed" or n.domain not in ("", "ai.onnx"):
+        return NodeInfo(cls=cls)
+    schema = ops.get_schema(n.op_type, n.domain, ctx.opsets.get("", 1))
+    types_in = [ctx.type_of(g, x) if x else 0 for x in n.inputs]
+    types_out = [ctx.type_of(g, x) if x else 0 for x in n.outputs]
+    if schema is None:
+        return NodeInfo(cls="unknown")
+    ins, outs = ops.bindings(schema, len(n.inputs), len(n.outputs))
+    var_types: dict = {}
+    for ts, t in zip(ins + outs, types_in + types_out):
+        if ts is not None and t != 0 and ts not in ops.STR_TYPE:
+            var_types.setdefault(ts, set()).add(t)
+    if not any(FLOAT in v for v in var_types.values()):
+        if any(None in v for v in var_types.values()) and any(t == FLOAT for t in types_in):
+            return NodeInfo(cls=cls, reason="type of an output could not be proven (shape inference incomplete)")
+        return NodeInfo(cls="none")
+    keep_vars = {ins[i] for i in ops.KEEP_INPUTS.get(n.op_type, ()) if i < len(ins)}
+    keep_vars -= {ins[0]} | set(outs)
+    retype = set()
+    for v, ts in var_types.items():
+        if None in ts:
+            return NodeInfo(cls=cls, reason="touches a tensor whose type could not be proven")
+        if ts == {FLOAT} and v not in keep_vars and ops.allows(schema, v, low):
+            retype.add(v)
+    if not retype:
+        return NodeInfo(cls=cls, reason=f"no {ctx.options.target.upper()} form of {n.op_type} at opset "
+                                        f"{schema.since_version}")
+    return NodeInfo(cls=cls,
+                    low_inputs=tuple(i for i, ts in enumerate(ins) if ts in retype and n.inputs[i]),
+                    low_outputs=tuple(i for i, ts in enumerate(outs) if ts in retype and n.outputs[i]))
+
+
+class InitStats:
+    """Range facts about float initializers, computed once per tensor."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.cache = {}
+
+    def get(self, g, name):
+        owner = g.owner_of(name)
+        if owner is None or name not in owner.initializers:
+            return None
+        key = (owner.key, name)
+        if key not in self.cache:
+            t = owner.initializers[name]
+            if t.data_type != TensorProto.FLOAT:
+                self.cache[key] = None
+            else:
+                a = tensor_array(t, self.ctx.base_dir).astype(np.float32, copy=False)
+                finite = np.abs(a[np.isfinite(a)]) if a.size else a
+                maxabs = float(finite.max()) if finite.size else 0.0
+                tiny = int(np.count_nonzero((finite > 0) & (finite < FP16_TINY / 2)))
+                self.cache[key] = (maxabs, tiny, int(a.size))
+        return self.cache[key]
+
+
+def _fmt(x):
+    return f"{x:.4g}"
+
+
+def classify(ctx):
+    opt = ctx.options
+    fp16_re = re.compile(opt.fp16_nodes) if opt.fp16_nodes else None
+    fp32_re = re.compile(opt.fp32_nodes) if opt.fp32_nodes else None
+    fp32_ops = set(opt.fp32_ops or ())
+    stats = InitStats(ctx)
+    lim = FP16_MAX if opt.target == "fp16" else BF16_MAX
+    for g, n in ctx.nodes():
+        cls = ops.op_class(n.op_type, n.domain)
+        info = _schema_info(ctx, g, n, cls)
+        ctx.info[id(n)] = info
+        if info.cls == "none":
+            continue
+        if cls == "fixed":
+            if n.op_type == "Cast" and n.attr("to") == FLOAT:
+                src = ctx.type_of(g, n.inputs[0])
+                if src in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
+                    info.cls, info.reason = "fp32", "deliberate FP32 island in the source (Cast from FP16)"
+                elif src not in (FLOAT, TensorProto.DOUBLE):
+                    info.cls, info.reason = "fp32", "integer-derived value (Cast to FLOAT from integers) may exceed the FP16 range"
+            continue
+        forced16 = bool(fp16_re and fp16_re.search(n.name))
+        if info.reason:  # infeasible: nothing can lower it
+            continue
+        if forced16:
+            info.cls = "fp16"
+            continue
+        if fp32_re and fp32_re.search(n.name):
+            info.reason = "user: --fp32-nodes"
+        elif n.op_type in fp32_ops:
+            info.reason = "user: --fp32-ops"
+        elif cls == "unknown":
+            info.reason = "op not in graphmp's FP16 lists (kept FP32 to be safe)"
+        if info.reason is None:
+            for i in info.low_inputs:
+                s = stats.get(g, n.inputs[i])
+                if s is None:
+                    continue
+                maxabs, tiny, size = s
+                if maxabs > lim:
+                    info.reason = f"initializer '{n.inputs[i]}' holds {_fmt(maxabs)}, beyond the {opt.target.upper()} range"
+                elif opt.target == "fp16" and tiny and size <= SMALL_CONST:
+                    info.reason = f"initializer '{n.inputs[i]}' holds values FP16 rounds to 0 (|x| < {_fmt(FP16_TINY / 2)})"
+                if info.reason:
+                    break
+        if info.reason is None and ctx.ranges:
+            for x in list(n.inputs) + list(n.outputs):
+                r = ctx.ranges.get(x)
+                if r is not None and r > opt.range_threshold and ctx.type_of(g, x) == FLOAT:
+                    info.reason = (f"range: |{x}| reached {_fmt(r)} in calibration "
+                                   f"(threshold {_fmt(opt.range_threshold)})")
+                    break
+        if info.reason is None and cls == "fp32":
+            info.reason = f"{n.op_type} is range-sensitive (FP32 op class)"
+        if info.reason:
+            info.cls = "fp32"

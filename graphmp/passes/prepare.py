@@ -1,0 +1,143 @@
+"""prepare: put the FP32 source in a canonical form the other passes can rely on.
+
+Guarantees afterwards:
+- the default-domain opset is >= 7 (older models are upgraded, or a clear error);
+- initializers are not also graph inputs (IR < 4 style); they are constants;
+- float Constant nodes are initializers (so weights are converted offline);
+- every node in every graph has a unique name;
+- redundant source Casts are gone: no-op Casts and FP16->FP32->FP16 round trips;
+- every graph is topologically sorted.
+Nothing here changes what the model computes.
+"""
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from ..errors import GraphmpError
+from ..io import iter_graphs
+from ..ir import Graph, Names, name_nodes
+
+MIN_OPSET = 7
+
+
+def default_opset(model) -> int:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return o.version
+    return 0
+
+
+def upgrade_opset(ctx):
+    v = default_opset(ctx.model)
+    if v >= MIN_OPSET or v == 0:
+        return
+    try:
+        ctx.model = onnx.version_converter.convert_model(ctx.model, 13)
+        ctx.warn(f"upgraded opset {v} -> 13 (FP16 types need opset >= {MIN_OPSET})")
+    except Exception as e:
+        raise GraphmpError(f"{ctx.path}: opset {v} is too old for FP16 and the automatic upgrade failed "
+                           f"({str(e)[:100]}). Re-export with opset >= 13.") from None
+
+
+def initializers_out_of_inputs(model) -> int:
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    keep = [v for v in g.input if v.name not in inits]
+    removed = len(g.input) - len(keep)
+    if removed:
+        del g.input[:]
+        g.input.extend(keep)
+        if model.ir_version < 4:
+            model.ir_version = 4
+    return removed
+
+
+def constants_to_initializers(model) -> int:
+    moved = 0
+    for g in iter_graphs(model.graph):
+        outputs = {v.name for v in g.output}
+        keep = []
+        for n in g.node:
+            if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and len(n.attribute) == 1 \
+                    and n.output[0] not in outputs:
+                a = n.attribute[0]
+                t = None
+                if a.name == "value" and a.t.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16,
+                                                          TensorProto.DOUBLE, TensorProto.BFLOAT16):
+                    t = TensorProto()
+                    t.CopyFrom(a.t)
+                elif a.name == "value_float":
+                    t = numpy_helper.from_array(onnx.numpy_helper.np.array(a.f, dtype="float32"))
+                elif a.name == "value_floats":
+                    t = numpy_helper.from_array(onnx.numpy_helper.np.array(list(a.floats), dtype="float32"))
+                if t is not None:
+                    t.name = n.output[0]
+                    g.initializer.append(t)
+                    moved += 1
+                    continue
+            keep.append(n)
+        if moved:
+            kept = [onnx.NodeProto() for _ in keep]
+            for dst, src in zip(kept, keep):
+                dst.CopyFrom(src)
+            del g.node[:]
+            g.node.extend(kept)
+    return moved
+
+
+def _rename_input(graph: Graph, old: str, new: str):
+    for g in graph.walk():
+        for n in g.nodes:
+            for i, x in enumerate(n.inputs):
+                if x == old:
+                    n.proto.input[i] = new
+
+
+def drop_redundant_casts(ctx, types_of) -> int:
+    """Remove Casts that do nothing (to == input type) and the second Cast of an
+    FP16->FP32->FP16 round trip, where the output is not a graph output."""
+    removed = 0
+    for g in ctx.root.walk():
+        outs = set(g.output_names)
+        prod = g.producers()
+        keep = []
+        for n in g.nodes:
+            if n.op_type == "Cast" and n.domain in ("", "ai.onnx") and n.outputs[0] not in outs:
+                src = n.inputs[0]
+                to = n.attr("to")
+                src_t = types_of(g, src)
+                target = None
+                if src_t == to:
+                    target = src
+                else:
+                    p = prod.get(src)
+                    if p is not None and p.op_type == "Cast" and p.attr("to") == TensorProto.FLOAT:
+                        inner = p.inputs[0]
+                        if types_of(g, inner) == to and to in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
+                            target = inner
+                if target is not None:
+                    _rename_input(g, n.outputs[0], target)
+                    removed += 1
+                    continue
+            keep.append(n)
+        g.nodes = keep
+        g.invalidate()
+    return removed
+
+
+def build(ctx):
+    """Parse the proto into the IR after the proto-level canonicalisation."""
+    upgrade_opset(ctx)
+    rep = ctx.report.setdefault("prepare", {})
+    rep["initializers_removed_from_inputs"] = initializers_out_of_inputs(ctx.model)
+    if rep["initializers_removed_from_inputs"]:
+        ctx.warn(f"{rep['initializers_removed_from_inputs']} initializers were also graph inputs; "
+                 "they are now constants (ONNX Runtime recommends the same)")
+    rep["constants_to_initializers"] = constants_to_initializers(ctx.model)
+    ctx.names = Names(ctx.model)
+    rep["nodes_named"] = name_nodes(ctx.model, ctx.names)
+    ctx.root = Graph(ctx.model.graph, None, "main")
+    for g in ctx.root.walk():
+        g.toposort(ctx.path)
+    ctx.root.write_back()
