@@ -293,56 +293,56 @@ def classify_nodes(model) -> dict:
 
 
 # --------------------------------------------------------------------------- metrics
-def compare(ref: dict, got: dict) -> dict:
-    """Per-output errors of `got` vs FP32 `ref`.
+def compare(ref: dict, got: dict, floor: float = 1e-2, tol: float = 1e-2) -> dict:
+    """Per-output errors of `got` vs FP32 `ref` (same definitions as graphmp.check).
 
     max_abs: max |got - ref| over elements where both are finite.
-    max_rel: max |got - ref| / max(|ref|, 1e-3 * max|ref|, 1e-12), same elements
-             (relative error, with the denominator floored at 0.1 % of the output's
-             magnitude so near-zero reference values do not dominate).
+    max_rel: max |got - ref| / max(|ref|, floor) over the same elements (floor = 1e-2
+             by default, graphmp.check's atol, so near-zero references do not dominate).
     nonfinite: count of non-finite values in `got` where `ref` is finite.
     argmax_agree: fraction of positions whose argmax over the last axis matches
              (top-1 agreement for [N, classes] outputs); None for scalars/last dim 1.
+    within_tol: no new non-finite and |got - ref| <= tol + tol * |ref| everywhere.
+    Non-float outputs must match exactly (max_abs 0 or inf).
     """
     import numpy as np
 
-    outs, worst_abs, worst_rel, min_agree, nonfinite = {}, 0.0, 0.0, None, 0
+    outs, worst_abs, worst_rel, min_agree, nonfinite, all_ok = {}, 0.0, 0.0, None, 0, True
     for name, r in ref.items():
-        o = {"max_abs": None, "max_rel": None, "nonfinite": None, "argmax_agree": None}
-        if name not in got:
-            o["error"] = "output missing"
-            outs[name] = o
-            worst_abs = worst_rel = math.inf
-            continue
-        g = np.asarray(got[name])
+        o = {"max_abs": None, "max_rel": None, "nonfinite": None, "argmax_agree": None, "within_tol": False}
+        g = got.get(name)
         r = np.asarray(r)
-        if g.shape != r.shape:
-            o["error"] = f"shape {list(g.shape)} != reference {list(r.shape)}"
+        if g is None or np.asarray(g).shape != r.shape:
+            o["error"] = "output missing" if g is None else \
+                f"shape {list(np.asarray(g).shape)} != reference {list(r.shape)}"
             outs[name] = o
             worst_abs = worst_rel = math.inf
+            all_ok = False
             continue
-        rf = r.astype(np.float64)
-        gf = g.astype(np.float64)
-        both = np.isfinite(rf) & np.isfinite(gf)
-        o["nonfinite"] = int(np.sum(np.isfinite(rf) & ~np.isfinite(gf)))
-        nonfinite += o["nonfinite"]
-        if both.any():
-            d = np.abs(gf - rf)[both]
-            scale = float(np.max(np.abs(rf[both])))
-            denom = np.maximum(np.abs(rf[both]), max(1e-3 * scale, 1e-12))
-            o["max_abs"] = float(d.max())
-            o["max_rel"] = float((d / denom).max())
+        g = np.asarray(g)
+        if r.dtype.kind not in "fc":
+            same = bool(np.array_equal(r, g))
+            o.update(max_abs=0.0 if same else math.inf, max_rel=0.0 if same else math.inf,
+                     nonfinite=0, within_tol=same)
         else:
-            o["max_abs"] = o["max_rel"] = 0.0 if r.size == 0 else math.inf
-        if r.ndim >= 1 and r.shape[-1] > 1 and r.size and np.issubdtype(r.dtype, np.floating):
-            o["argmax_agree"] = float(np.mean(np.argmax(np.nan_to_num(gf, nan=-np.inf), -1)
-                                              == np.argmax(rf, -1)))
-            min_agree = o["argmax_agree"] if min_agree is None else min(min_agree, o["argmax_agree"])
+            rf = r.astype(np.float64)
+            gf = g.astype(np.float64)
+            both = np.isfinite(rf) & np.isfinite(gf)
+            o["nonfinite"] = int(np.sum(np.isfinite(rf) & ~np.isfinite(gf)))
+            d = np.abs(gf - rf)[both]
+            o["max_abs"] = float(d.max()) if d.size else 0.0
+            o["max_rel"] = float((d / np.maximum(np.abs(rf[both]), floor)).max()) if d.size else 0.0
+            o["within_tol"] = o["nonfinite"] == 0 and bool(np.all(d <= tol + tol * np.abs(rf[both])))
+            if r.ndim >= 1 and r.shape[-1] > 1 and r.size:
+                o["argmax_agree"] = float(np.mean(np.argmax(np.nan_to_num(gf), -1) == np.argmax(rf, -1)))
+                min_agree = o["argmax_agree"] if min_agree is None else min(min_agree, o["argmax_agree"])
+        nonfinite += o["nonfinite"]
         worst_abs = max(worst_abs, o["max_abs"])
         worst_rel = max(worst_rel, o["max_rel"])
+        all_ok = all_ok and o["within_tol"]
         outs[name] = o
     return {"max_abs": worst_abs, "max_rel": worst_rel, "nonfinite": nonfinite,
-            "argmax_agree_min": min_agree, "outputs": outs}
+            "argmax_agree_min": min_agree, "within_tol": all_ok, "outputs": outs}
 
 
 def _load_npz(path):
@@ -458,6 +458,8 @@ def worker_eval(path, inputs_npz, out_npz):
         ortres["load_s"] = time.perf_counter() - t
         ortres["load_ok"] = True
         del sess
+        if inputs_npz == "-":
+            raise RuntimeError("not run: no generated inputs for this model (see fp32_reference)")
         feeds = _load_npz(inputs_npz)
         t = time.perf_counter()
         outs = run_ort(path, feeds)
@@ -715,19 +717,15 @@ def bench_tool(tool, src, workdir: Path, args, avail) -> dict:
     row["output"] = {"path": str(dst) if args.keep else None, "bytes": _dir_bytes(tdir)}
 
     # checker, ORT, node classes
-    if not inputs.exists():
-        inputs_arg = tdir / "_noinputs.npz"
-        _save_npz(inputs_arg, {})
-    else:
-        inputs_arg = inputs
-    e = run_child(_self_cmd("eval", dst, inputs_arg, tdir / "ort.npz"), args.convert_timeout)
+    e = run_child(_self_cmd("eval", dst, inputs if inputs.exists() else "-", tdir / "ort.npz"),
+                  args.convert_timeout)
     er = e["result"] or {}
     row["nodes"] = er.get("nodes")
     row["checker"] = er.get("checker") or {"ok": False, "error": e["crash"]}
     row["ort"] = er.get("ort") or {"load_ok": False, "run_ok": False, "error": e["crash"]}
     ref_npz = workdir / "ref.npz"
     if row["ort"].get("run_ok") and ref_npz.exists():
-        row["ort"]["metrics"] = compare(_load_npz(ref_npz), _load_npz(tdir / "ort.npz"))
+        row["ort"]["metrics"] = compare(_load_npz(ref_npz), _load_npz(tdir / "ort.npz"), args.tol, args.tol)
 
     # FP16-faithful oracle
     orc = {"status": None, "error": None}
@@ -749,7 +747,7 @@ def bench_tool(tool, src, workdir: Path, args, avail) -> dict:
             orc["error"] = o["crash"] or orr.get("error")
         else:
             orc["status"] = "ok"
-            orc["metrics"] = compare(_load_npz(ref_npz), _load_npz(tdir / "oracle.npz"))
+            orc["metrics"] = compare(_load_npz(ref_npz), _load_npz(tdir / "oracle.npz"), args.tol, args.tol)
     row["oracle"] = orc
     if not args.keep:
         for f in ("ort.npz", "oracle.npz"):
@@ -776,6 +774,28 @@ def bench_model(path, key, workdir: Path, tools, args, avail, log) -> tuple[dict
     info["fp32_reference"] = {"ok": bool(rr.get("ok")) and not ref["crash"],
                               "ort_run_s": rr.get("ort_run_s"),
                               "error": ref["crash"] or rr.get("error")}
+    # Oracle floor: the FP16-faithful oracle on the FP32 source vs ORT CPU. Converted-model
+    # errors at or below this level are the oracle's own disagreement with ORT, not FP16.
+    fl = {"status": None, "error": None}
+    if args.no_oracle:
+        fl["status"] = "not run (--no-oracle)"
+    elif not (workdir / "ref.npz").exists():
+        fl["status"] = "not run (no FP32 reference)"
+    else:
+        o = run_child(_self_cmd("oracle", path, workdir / "inputs.npz", workdir / "oracle_fp32.npz"),
+                      args.oracle_timeout)
+        orr = o["result"] or {}
+        fl["time_s"] = orr.get("time_s")
+        if o["timed_out"]:
+            fl["status"] = "oracle skipped (timeout)"
+        elif o["crash"] or not orr.get("ok"):
+            fl["status"] = "failed"
+            fl["error"] = o["crash"] or orr.get("error")
+        else:
+            fl["status"] = "ok"
+            fl["metrics"] = compare(_load_npz(workdir / "ref.npz"), _load_npz(workdir / "oracle_fp32.npz"),
+                                    args.tol, args.tol)
+    info["oracle_fp32_floor"] = fl
     rows = []
     for tool in tools:
         log(f"  {key}: {tool} ...")
@@ -804,9 +824,10 @@ def _fmt_num(x, fmt="{:.3g}"):
     return fmt.format(x)
 
 
-def markdown_table(rows) -> str:
+def markdown_table(rows, model_infos=()) -> str:
+    floors = {i["model"]: i.get("oracle_fp32_floor") or {} for i in model_infos}
     hdr = ["model", "tool", "status", "conv s", "peak RSS MB", "FP32 nodes", "casts +",
-           "checker", "ORT CPU", "max abs", "max rel", "argmax", "note"]
+           "checker", "ORT CPU", "max abs", "max rel", "argmax", "tol ok", "note"]
     lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     for r in rows:
         conv = r.get("convert") or {}
@@ -820,6 +841,11 @@ def markdown_table(rows) -> str:
             note = f"oracle: {orc.get('status')}" + (f" ({(orc.get('error') or '')[:60]})" if orc.get("status") == "failed" else "")
         if m.get("nonfinite"):
             note = (note + f" nonfinite={m['nonfinite']}").strip()
+        fl = floors.get(r["model"]) or {}
+        if m and fl.get("status") == "ok" and (fl["metrics"].get("max_abs") or 0) > 1e-3:
+            note = (note + f" oracle floor abs {_fmt_num(fl['metrics']['max_abs'])}").strip()
+        elif m and fl.get("status") not in (None, "ok"):
+            note = (note + f" oracle floor {fl['status']}").strip()
         ortm = (r.get("ort") or {}).get("metrics")
         ort_cell = "-"
         if r.get("ort"):
@@ -840,6 +866,7 @@ def markdown_table(rows) -> str:
             ort_cell,
             _fmt_num(m.get("max_abs")), _fmt_num(m.get("max_rel")),
             _fmt_num(m.get("argmax_agree_min"), "{:.3f}"),
+            ("yes" if m["within_tol"] else "no") if m else "-",
             note.replace("|", "\\|").replace("\n", " "),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -860,6 +887,8 @@ def main(argv=None):
                     help="seconds for each FP16-faithful oracle run (and the FP32 reference run) per model")
     ap.add_argument("--convert-timeout", type=float, default=1800.0, help="seconds per conversion")
     ap.add_argument("--no-oracle", action="store_true", help="skip the FP16-faithful oracle runs")
+    ap.add_argument("--tol", type=float, default=1e-2,
+                    help="atol=rtol for within_tol and the max_rel floor (graphmp.check default)")
     ap.add_argument("--seed", type=int, default=0, help="seed for generated inputs")
     ap.add_argument("--calibrate", action="store_true",
                     help="pass the benchmark inputs as calibration data to graphmp and autocast "
@@ -914,7 +943,7 @@ def main(argv=None):
         "tools": avail,
         "settings": {"tools": tools, "seed": args.seed, "oracle_timeout_s": args.oracle_timeout,
                      "convert_timeout_s": args.convert_timeout, "calibrate": args.calibrate,
-                     "no_oracle": args.no_oracle, "oracle_impl": oracle_impls},
+                     "no_oracle": args.no_oracle, "tol": args.tol, "oracle_impl": oracle_impls},
         "models": model_infos,
         "results": rows,
     }
@@ -923,7 +952,7 @@ def main(argv=None):
     tmp = out.with_suffix(out.suffix + ".tmp")
     tmp.write_text(json.dumps(_clean_floats(doc), indent=1, default=_json_default, allow_nan=False))
     os.replace(tmp, out)
-    table = markdown_table(rows)
+    table = markdown_table(rows, model_infos)
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
     print(table)

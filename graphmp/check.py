@@ -24,7 +24,7 @@ def compare(ref: np.ndarray, got: np.ndarray, atol: float, rtol: float) -> dict:
     if ref.dtype.kind not in "fc":
         same = bool(np.array_equal(ref, got))
         return {"max_abs": 0.0 if same else float("inf"), "max_rel": 0.0 if same else float("inf"),
-                "nonfinite": 0, "argmax_agree": None, "passed": same}
+                "ref_max_abs": 0.0, "nonfinite": 0, "argmax_agree": None, "passed": same}
     r = ref.astype(np.float64)
     g = got.astype(np.float64)
     new_nonfinite = int(np.count_nonzero(~np.isfinite(g) & np.isfinite(r)))
@@ -36,6 +36,7 @@ def compare(ref: np.ndarray, got: np.ndarray, atol: float, rtol: float) -> dict:
         agree = float(np.mean(np.argmax(r, axis=-1) == np.argmax(np.nan_to_num(g), axis=-1)))
     passed = new_nonfinite == 0 and bool(np.all(diff <= atol + rtol * np.abs(r[ok])))
     return {"max_abs": float(diff.max()) if diff.size else 0.0, "max_rel": float(rel.max()) if rel.size else 0.0,
+            "ref_max_abs": float(np.abs(r[ok]).max()) if ok.any() else 0.0,
             "nonfinite": new_nonfinite, "argmax_agree": agree, "passed": passed}
 
 
@@ -116,6 +117,7 @@ def check(ref, converted, data=None, atol: float = 1e-2, rtol: float = 1e-2, see
     for k, rows in outputs.items():
         agrees = [r["argmax_agree"] for r in rows if r["argmax_agree"] is not None]
         merged[k] = {"max_abs": max(r["max_abs"] for r in rows), "max_rel": max(r["max_rel"] for r in rows),
+                     "ref_max_abs": max(r.get("ref_max_abs", 0.0) for r in rows),
                      "nonfinite": sum(r["nonfinite"] for r in rows),
                      "argmax_agree": float(np.mean(agrees)) if agrees else None,
                      "passed": all(r["passed"] for r in rows)}

@@ -148,10 +148,10 @@ def convert(src, dst=None, *, target: str = "fp16", keep_io_types: bool = True, 
             return ConvertReport(report)
         return ConvertReport(report, model)
 
-    report["weight_bytes_before"] = model_weight_bytes(model)
-    ctx.log(f"loaded {path}: {len(model.graph.node)} nodes, {report['weight_bytes_before'] / 1e6:.1f} MB of weights")
+    ctx.log(f"loaded {path}: {len(model.graph.node)} nodes")
     prepare.build(ctx)
     model = ctx.model
+    report["weight_bytes_before"] = model_weight_bytes(model)  # Constant nodes counted as weights
     types.infer_types(ctx)
     if not any(t == FLOAT for d in ctx.types.values() for t in d.values()):
         raise GraphmpError(f"{path}: the model has no FP32 tensors, so there is nothing to convert.")
@@ -196,6 +196,8 @@ def convert(src, dst=None, *, target: str = "fp16", keep_io_types: bool = True, 
             for t in g.initializer:
                 materialize(t, base_dir, _convert_fn)
         report["seconds"] = time.perf_counter() - t0
+        if validate:
+            _validate(report, src, model, calibration, atol, rtol)
         return ConvertReport(report, model)
 
     ext = external_data
@@ -207,7 +209,15 @@ def convert(src, dst=None, *, target: str = "fp16", keep_io_types: bool = True, 
                progress=(lambda i, n: ctx.log(f"  tensor {i}/{n}")) if verbose else None)
     report["seconds"] = time.perf_counter() - t0
     if validate:
-        from .check import check
-        report["validation"] = check(path, os.fspath(dst), atol=atol, rtol=rtol,
-                                     data=calibration if isinstance(calibration, (str, os.PathLike)) else None).to_dict()
+        _validate(report, path, os.fspath(dst), calibration, atol, rtol)
     return ConvertReport(report)
+
+
+def _validate(report, ref, converted, calibration, atol, rtol):
+    from .check import check
+    data = None
+    if isinstance(calibration, (str, os.PathLike)):
+        data = calibration
+    elif isinstance(calibration, (list, tuple)) and calibration and calibration[0] != "auto":
+        data = calibration[0] if isinstance(calibration[0], (str, os.PathLike, dict)) else None
+    report["validation"] = check(ref, converted, data=data, atol=atol, rtol=rtol).to_dict()

@@ -66,13 +66,11 @@ def make_inputs(model, seed: int = 0, batch: int = 1, dim: int = DEFAULT_DIM) ->
     for name, elem, dims in input_specs(model):
         shape = []
         for i, d in enumerate(dims):
-            if isinstance(d, int) and d > 0:
-                shape.append(d)
-            elif isinstance(d, int):
+            if isinstance(d, int) and d >= 0:  # 0 is a real (empty) dim; -1 means dynamic
                 shape.append(d)
             else:
                 default = batch if i == 0 else dim
-                shape.append(sizes.setdefault(d, default) if d else default)
+                shape.append(sizes.setdefault(d, default) if isinstance(d, str) else default)
         if elem in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE):
             feeds[name] = rng.standard_normal(shape).astype(_np_type(elem))
         elif elem == TensorProto.BOOL:

@@ -27,7 +27,11 @@ def _batches(ctx):
         if model_weight_bytes(ctx.model) > AUTO_LIMIT:
             ctx.warn("model over 1 GB: no automatic calibration run (pass --calibration DATA to range-check it)")
             return [], "skipped (model over 1 GB)"
-        return [make_inputs(ctx.model, seed=0, batch=1), make_inputs(ctx.model, seed=1, batch=2)], "generated inputs"
+        try:
+            return [make_inputs(ctx.model, seed=0, batch=1), make_inputs(ctx.model, seed=1, batch=2)], "generated inputs"
+        except Exception as e:
+            ctx.warn(f"calibration skipped: cannot generate inputs ({e}); pass --calibration DATA")
+            return [], "skipped (cannot generate inputs)"
     if cal == "off":
         return [], "off"
     if isinstance(cal, (str, os.PathLike)):

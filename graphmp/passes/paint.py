@@ -6,7 +6,8 @@ its I/O keep their declared types). Named steps, in order:
                (deliberate FP32 islands of an already mixed model);
   2. deny:     FP32 spreads forward from FP32 nodes through follow/clear nodes that
                lead into FP32 or follow work (deny -> Add -> LayerNorm keeps the Add FP32);
-  3. between:  follow/clear nodes on a path between two fp16 nodes become fp16;
+  3. between:  follow/clear nodes on a path between two fp16 nodes become fp16
+               (an embedding Gather from a float initializer counts as fp16 work);
   4. after:    follow nodes downstream of fp16 work (directly or through clear nodes)
                become fp16;
   5. clear:    clear nodes connected to fp16 nodes through clear nodes become fp16.
@@ -80,8 +81,12 @@ def paint_graph(ctx, g):
         info[id(m)].reason = SPREAD.format(src.name if src is not None else "?")
         deny[id(m)] = m
 
-    # 3. between allow nodes
-    allow = {id(n): n for n in nodes if kind(n) == "allow"}
+    # 3. between allow nodes. Embedding lookups (Gather from a float initializer)
+    #    count as fp16 work: the table is stored FP16 and gathering is exact.
+    def embedding(n):
+        owner = g.owner_of(n.inputs[0]) if n.op_type == "Gather" else None
+        return owner is not None and n.inputs[0] in owner.initializers
+    allow = {id(n): n for n in nodes if kind(n) == "allow" or (kind(n) == "clear" and embedding(n))}
     free = lambda m: kind(m) in ("infer", "clear")  # noqa: E731
     down = _reach(allow.values(), succ, free)
     up = _reach(allow.values(), pred, free)
