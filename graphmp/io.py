@@ -149,6 +149,13 @@ def materialize(t: TensorProto, src_dir: str | None, convert_fn) -> None:
     t.raw_data = raw
 
 
+def _public(fd: int):
+    """mkstemp files are 0600; give outputs the mode a normal file would get."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+
+
 def save_model(model: onnx.ModelProto, out_path: str, src_dir: str | None, convert_fn,
                external: bool, progress=None):
     """Write `model` to `out_path` atomically.
@@ -166,6 +173,7 @@ def save_model(model: onnx.ModelProto, out_path: str, src_dir: str | None, conve
         if external:
             fd, data_tmp = tempfile.mkstemp(prefix=".graphmp-", suffix=".data.tmp", dir=d)
             tmp_files.append(data_tmp)
+            _public(fd)
             data_f = os.fdopen(fd, "wb")
         offset = 0
         tensors = [t for g in iter_graphs(model.graph) for t in g.initializer]
@@ -201,6 +209,7 @@ def save_model(model: onnx.ModelProto, out_path: str, src_dir: str | None, conve
             raise GraphmpError(f"{out_path}: the model is over 2 GB; write it with --external-data.")
         fd, model_tmp = tempfile.mkstemp(prefix=".graphmp-", suffix=".onnx.tmp", dir=d)
         tmp_files.append(model_tmp)
+        _public(fd)
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
             f.flush()

@@ -141,3 +141,12 @@ def test_console_script_help_teaches():
     assert r.returncode == 0
     for word in ("--calibration", "--fp32-nodes", "--keep-io-types", "examples:", "Softmax"):
         assert word in r.stdout
+
+
+def test_output_has_normal_file_mode(src, tmp_path, capsys):
+    out = tmp_path / "o.onnx"
+    assert _run(["convert", src, "-o", str(out), "-q", "--external-data"], capsys)[0] == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in (out, tmp_path / "o.onnx.data"):
+        assert (os.stat(f).st_mode & 0o777) == (0o666 & ~umask), f

@@ -1,5 +1,7 @@
 """calibrate: one FP32 run over the calibration batches records max |x| of every float
 tensor of the main graph (ctx.ranges); classify keeps nodes above the threshold FP32.
+The same run proves the types of tensors that shape inference left unknown (outputs
+of custom or experimental ops): ONNX Runtime returns them with their real dtype.
 
 Without calibration data, generated inputs are used (two seeds, two batch sizes) and
 the report says so. Models whose weights exceed AUTO_LIMIT are not calibrated
@@ -53,10 +55,15 @@ def calibrate(ctx):
     probe = onnx.ModelProto()
     probe.CopyFrom(ctx.model)
     have = {o.name for o in probe.graph.output}
+    unknown = set()
     for n in probe.graph.node:
         for o in n.output:
-            if o and o not in have and types.get(o) == FLOAT:
-                probe.graph.output.append(onnx.helper.make_tensor_value_info(o, FLOAT, None))
+            if o and o not in have and types.get(o) in (FLOAT, None):
+                if types.get(o) == FLOAT:
+                    probe.graph.output.append(onnx.helper.make_tensor_value_info(o, FLOAT, None))
+                else:  # type not proven by shape inference: ONNX Runtime will tell
+                    probe.graph.output.append(onnx.ValueInfoProto(name=o))
+                    unknown.add(o)
                 have.add(o)
     try:
         sess = ort_session(probe, base_dir=ctx.base_dir, optimize=False)
@@ -68,6 +75,7 @@ def calibrate(ctx):
     names = [o.name for o in sess.get_outputs()]
     inputs = {i.name for i in sess.get_inputs()}
     ranges: dict = {}
+    proven = 0
     for k, feeds in enumerate(batches):
         missing = inputs - set(feeds)
         if missing:
@@ -79,9 +87,13 @@ def calibrate(ctx):
             ctx.warn(f"calibration batch {k} failed in ONNX Runtime ({str(e).splitlines()[0][:160]}); ranges from earlier batches only")
             continue
         for name, arr in zip(names, outs):
+            if name in unknown and isinstance(arr, np.ndarray) and k == 0:
+                types[name] = onnx.helper.np_dtype_to_tensor_dtype(arr.dtype)
+                proven += 1
             if isinstance(arr, np.ndarray) and arr.dtype == np.float32 and arr.size:
                 m = float(np.nanmax(np.abs(arr)))
                 if m > ranges.get(name, -1.0):
                     ranges[name] = m
     ctx.ranges = ranges
     ctx.report["calibration"]["tensors_observed"] = len(ranges)
+    ctx.report["calibration"]["types_proven_by_run"] = proven
