@@ -21,6 +21,19 @@ import time
 import traceback
 
 
+def _vmhwm():
+    """Peak RSS of this process image (VmHWM; unlike ru_maxrss it is reset by exec, so it
+    does not inherit the parent's RSS through fork)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _rss_now():
     try:
         with open("/proc/self/statm") as f:
@@ -63,7 +76,7 @@ def main():
     except BaseException as e:  # noqa: BLE001 - a failure is a result
         res["error"] = f"{type(e).__name__}: {e}"[:2000]
         res["traceback"] = traceback.format_exc()[-4000:]
-    res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    res["peak_rss_bytes"] = _vmhwm() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sys.stdout.flush()
     print("@@RESULT " + json.dumps(res, default=str), flush=True)
 

@@ -47,6 +47,19 @@ SCHEMA_VERSION = 1
 
 
 # --------------------------------------------------------------------------- helpers
+def _vmhwm():
+    """Peak RSS of this process image (VmHWM; unlike ru_maxrss it is reset by exec, so it
+    does not inherit the parent's RSS through fork)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _rss_now():
     try:
         with open("/proc/self/statm") as f:
@@ -402,7 +415,7 @@ def worker_convert(tool, src, dst, options):
         res["traceback"] = traceback.format_exc()[-4000:]
     import resource
 
-    res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    res["peak_rss_bytes"] = _vmhwm() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     _emit(res)
 
 
@@ -487,6 +500,7 @@ def worker_oracle(path, inputs_npz, out_npz):
     except BaseException as e:  # noqa: BLE001
         res["error"] = _err(e)
         res["traceback"] = traceback.format_exc()[-4000:]
+    res["peak_rss_bytes"] = _vmhwm()
     _emit(res)
 
 
@@ -696,7 +710,11 @@ def bench_tool(tool, src, workdir: Path, args, avail) -> dict:
     r = c["result"] or {}
     row["convert"] = {
         "time_s": r.get("time_s"), "wall_s": c["wall_s"], "import_s": r.get("import_s"),
-        "peak_rss_bytes": c["peak_rss_bytes"], "rss_after_import_bytes": r.get("rss_after_import_bytes"),
+        # VmHWM reported by the child itself; wait4's ru_maxrss is only a fallback (it can
+        # include the parent's RSS inherited through fork, and is all we have after a crash)
+        "peak_rss_bytes": r.get("peak_rss_bytes") or c["peak_rss_bytes"],
+        "peak_rss_source": "VmHWM" if r.get("peak_rss_bytes") else "wait4 ru_maxrss (upper bound)",
+        "rss_after_import_bytes": r.get("rss_after_import_bytes"),
         "returncode": c["rc"], "options": options,
     }
     if "tool_report" in r:
@@ -738,7 +756,7 @@ def bench_tool(tool, src, workdir: Path, args, avail) -> dict:
         orr = o["result"] or {}
         orc["impl"] = orr.get("impl")
         orc["time_s"] = orr.get("time_s")
-        orc["peak_rss_bytes"] = o["peak_rss_bytes"]
+        orc["peak_rss_bytes"] = orr.get("peak_rss_bytes") or o["peak_rss_bytes"]
         if o["timed_out"]:
             orc["status"] = "oracle skipped (timeout)"
             orc["error"] = f"no result within --oracle-timeout {args.oracle_timeout:.0f} s"

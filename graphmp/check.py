@@ -74,11 +74,16 @@ def check(ref, converted, data=None, atol: float = 1e-2, rtol: float = 1e-2, see
     def _load(m):
         if isinstance(m, onnx.ModelProto):
             return m
-        load_model(m)  # clear errors for bad files
-        return onnx.load(os.fspath(m))
-    ref_m, conv_m = _load(ref), _load(converted)
+        return load_model(m)  # graph only (clear errors for bad files); weights stay on disk
+
+    def _full(m):  # the oracle needs the weights in memory
+        return m if isinstance(m, onnx.ModelProto) else onnx.load(os.fspath(m))
+    # ONNX Runtime reads paths itself (models over 2 GB cannot be serialized in memory)
+    ref_m, conv_m = ref, converted
+    ref_graph = _load(ref)
+    _load(converted)
     if data is None:
-        batches = [make_inputs(ref_m, seed=seed)]
+        batches = [make_inputs(ref_graph, seed=seed)]
     elif isinstance(data, dict):
         batches = [data]
     elif isinstance(data, (str, os.PathLike)):
@@ -91,13 +96,13 @@ def check(ref, converted, data=None, atol: float = 1e-2, rtol: float = 1e-2, see
     for feeds in batches:
         want = run_ort(ref_m, feeds)
         try:
-            self_check = run_reference(ref_m, feeds)
+            self_check = run_reference(_full(ref_m), feeds)
             trusted = all(compare(want[k], self_check[k], 1e-4, 1e-3)["passed"] for k in want)
         except Exception as e:
             trusted = False
             warnings.append(f"the reference evaluator cannot run the FP32 source ({str(e)[:120]})")
         if trusted:
-            got = run_reference(conv_m, feeds)
+            got = run_reference(_full(conv_m), feeds)
         else:
             oracle = "onnxruntime CPU (NOT FP16-faithful: the oracle disagreed with ORT on the FP32 source)"
             warnings.append("oracle not trusted on this model; ORT CPU computes most FP16 ops in FP32 and can hide overflow")

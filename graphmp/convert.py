@@ -180,7 +180,7 @@ def convert(src, dst=None, *, target: str = "fp16", keep_io_types: bool = True, 
         else:
             counts["fp32"] += 1
             fp32_nodes.append({"name": n.name, "op_type": n.op_type, "graph": g.key,
-                               "reason": info.reason or "no low-precision neighbour (stays in its FP32 region)"})
+                               "reason": info.reason or "stays in its FP32 region (an FP32 operand, or no fp16 neighbour)"})
     report["nodes"] = {"low": counts["low"], "fp32": counts["fp32"], "other": counts["other"],
                        "total": len(original_nodes)}
     report["fp32_nodes"] = fp32_nodes

@@ -8,8 +8,8 @@ its I/O keep their declared types). Named steps, in order:
                lead into FP32 or follow work (deny -> Add -> LayerNorm keeps the Add FP32);
   3. between:  follow/clear nodes on a path between two fp16 nodes become fp16
                (an embedding Gather from a float initializer counts as fp16 work);
-  4. after:    follow nodes downstream of fp16 work (directly or through clear nodes)
-               become fp16;
+  4. after:    follow/clear nodes whose float inputs all come from fp16 work (or are
+               constants) become fp16: widest wins, an FP32 operand keeps them FP32;
   5. clear:    clear nodes connected to fp16 nodes through clear nodes become fp16.
 Everything else keeps its FP32 type. Casts then appear only where a painted region
 meets an FP32 one.
@@ -38,6 +38,23 @@ def _edges(ctx, g):
             succ[id(p)].append(n)
             pred[id(n)].append(p)
     return succ, pred
+
+
+def _fp32_sources(ctx, g):
+    """id(node) -> True where the node reads an FP32 graph input or outer-scope value
+    (a source no painting can lower)."""
+    local = {o for n in g.nodes for o in n.outputs if o}
+    out = {}
+    for n in g.nodes:
+        for x in list(n.inputs) + sorted(n.implicit_inputs()):
+            if not x or x in local:
+                continue
+            owner = g.owner_of(x)
+            if owner is not None and x in owner.initializers:
+                continue
+            if ctx.type_of(g, x) == FLOAT:
+                out[id(n)] = True
+    return out
 
 
 def _reach(starts, nbrs, ok):
@@ -91,10 +108,19 @@ def paint_graph(ctx, g):
     down = _reach(allow.values(), succ, free)
     up = _reach(allow.values(), pred, free)
     allow.update({k: v for k, v in down.items() if k in up})
-    # 4. infer nodes after allow (through clear/infer)
-    for k, v in _reach(list(allow.values()), succ, free).items():
-        if kind(v) == "infer":
-            allow[k] = v
+    # 4. follow nodes after allow (through clear nodes), widest wins: only when every
+    #    float input that is not a constant already comes from fp16 work
+    fp32_in = _fp32_sources(ctx, g)
+    changed = True
+    while changed:
+        changed = False
+        for n in nodes:
+            if id(n) in allow or not free(n):
+                continue
+            ps = pred[id(n)]
+            if ps and not fp32_in.get(id(n)) and all(id(p) in allow for p in ps):
+                allow[id(n)] = n
+                changed = True
     # 5. clear nodes connected to allow through clear nodes
     is_clear = lambda m: kind(m) == "clear"  # noqa: E731
     both = {**succ}

@@ -1,0 +1,123 @@
+"""The precision policy: painting, user overrides, targets, Cast sharing."""
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP, helper as oh, numpy_helper
+
+import graphmp
+from graphmp.oracle import run_ort, run_reference
+
+
+def _w(seed, shape, scale=0.1):
+    return numpy_helper.from_array((np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32),
+                                   f"w{seed}")
+
+
+def block():
+    """x -> LayerNorm -> MatMul -> Add(bias) -> Add(residual from LN input) -> LayerNorm -> y,
+    with the MatMul output also read by two Relu consumers."""
+    d = 16
+    nodes = [
+        oh.make_node("LayerNormalization", ["x", "g", "b"], ["ln1"], name="ln1", axis=-1),
+        oh.make_node("MatMul", ["ln1", "w1"], ["mm"], name="mm"),
+        oh.make_node("Add", ["mm", "w2"], ["bias"], name="bias_add"),
+        oh.make_node("Add", ["bias", "x"], ["res"], name="residual_add"),
+        oh.make_node("LayerNormalization", ["res", "g", "b"], ["ln2"], name="ln2", axis=-1),
+        oh.make_node("Relu", ["mm"], ["r1"], name="relu1"),
+        oh.make_node("Relu", ["mm"], ["r2"], name="relu2"),
+        oh.make_node("MatMul", ["r1", "w3"], ["m3"], name="mm3"),
+        oh.make_node("Add", ["m3", "r2"], ["y2"], name="add_out"),
+    ]
+    inits = [numpy_helper.from_array(np.ones(d, np.float32), "g"), numpy_helper.from_array(np.zeros(d, np.float32), "b"),
+             _w(1, [d, d]), _w(2, [d]), _w(3, [d, d])]
+    g = oh.make_graph(nodes, "block", [oh.make_tensor_value_info("x", TP.FLOAT, ["batch", d])],
+                      [oh.make_tensor_value_info("ln2", TP.FLOAT, ["batch", d]),
+                       oh.make_tensor_value_info("y2", TP.FLOAT, ["batch", d])], inits)
+    return oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+
+
+def _types(model):
+    inf = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    t = {v.name: v.type.tensor_type.elem_type for v in list(inf.graph.value_info) + list(inf.graph.output)
+         + list(inf.graph.input)}
+    t.update({i.name: i.data_type for i in inf.graph.initializer})
+    return t
+
+
+def _node(model, name):
+    return next(n for n in model.graph.node if n.name == name)
+
+
+def test_painting_follows_the_neighbourhood():
+    m = graphmp.convert(block(), None).model
+    onnx.checker.check_model(m, full_check=True)
+    t = _types(m)
+    out_of = lambda name: t[_node(m, name).output[0]]  # noqa: E731
+    assert out_of("mm") == TP.FLOAT16 and out_of("mm3") == TP.FLOAT16
+    assert out_of("bias_add") == TP.FLOAT16          # follows the MatMul
+    assert out_of("residual_add") == TP.FLOAT         # an FP32 operand: widest wins
+    assert out_of("relu1") == TP.FLOAT16 and out_of("add_out") == TP.FLOAT16
+    assert out_of("ln1") == TP.FLOAT and out_of("ln2") == TP.FLOAT
+    rep = graphmp.convert(block(), None).fp32_nodes
+    assert rep["residual_add"].startswith("stays in its FP32 region") and "ln2" in rep
+
+
+def test_one_cast_per_tensor_and_type():
+    m = graphmp.convert(block(), None).model
+    casts = [(n.input[0], n.attribute[0].i) for n in m.graph.node if n.op_type == "Cast"]
+    assert len(casts) == len(set(casts)), casts
+    # ln1 feeds one MatMul: exactly one Cast of it; x feeds LN (fp32) and the fp32 residual: no Cast
+    assert sum(1 for src, _ in casts if src == "ln1") == 1
+    assert not any(src == "x" for src, _ in casts)
+
+
+def test_fp32_ops_and_fp32_nodes_override():
+    rep = graphmp.convert(block(), None, fp32_ops=["MatMul"])
+    assert rep.fp32_nodes["mm"] == "user: --fp32-ops" and rep.fp32_nodes["mm3"] == "user: --fp32-ops"
+    rep = graphmp.convert(block(), None, fp32_nodes="^mm3$")
+    assert rep.fp32_nodes["mm3"] == "user: --fp32-nodes" and "mm" not in rep.fp32_nodes
+
+
+def test_fp16_nodes_wins_over_defaults():
+    rep = graphmp.convert(block(), None, fp16_nodes="^ln2$")
+    assert "ln2" not in rep.fp32_nodes
+    t = _types(rep.model)
+    assert t[_node(rep.model, "ln2").output[0]] == TP.FLOAT16 or _node(rep.model, "ln2").output[0] != "ln2"
+    onnx.checker.check_model(rep.model, full_check=True)
+
+
+def test_no_keep_io_types_retypes_inputs_and_fp16_outputs():
+    m = graphmp.convert(block(), None, keep_io_types=False).model
+    onnx.checker.check_model(m, full_check=True)
+    assert m.graph.input[0].type.tensor_type.elem_type == TP.FLOAT16
+    assert {o.name: o.type.tensor_type.elem_type for o in m.graph.output}["y2"] == TP.FLOAT16
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 16)).astype(np.float16)}
+    out = run_reference(m, feeds)
+    ref = run_ort(block(), {"x": feeds["x"].astype(np.float32)})
+    np.testing.assert_allclose(out["y2"].astype(np.float32), ref["y2"], atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_target():
+    m = graphmp.convert(block(), None, target="bf16").model
+    onnx.checker.check_model(m, full_check=True)
+    t = _types(m)
+    assert t[_node(m, "mm").output[0]] == TP.BFLOAT16
+    assert any(i.data_type == TP.BFLOAT16 for i in m.graph.initializer)
+    assert not any(i.data_type == TP.FLOAT16 for i in m.graph.initializer)
+    # bf16 keeps FP32's range: the -3.4e38-style constants need no FP32 island there
+    w = next(i for i in m.graph.initializer if i.data_type == TP.BFLOAT16)
+    raw = np.frombuffer(w.raw_data, np.uint16).astype(np.uint32) << 16
+    orig = numpy_helper.to_array(next(i for i in block().graph.initializer if i.name == w.name))
+    np.testing.assert_allclose(raw.view(np.float32).reshape(orig.shape), orig, rtol=2 ** -8)
+
+
+def test_unknown_target_is_a_clear_error():
+    with pytest.raises(graphmp.GraphmpError, match="target"):
+        graphmp.convert(block(), None, target="fp8")
+
+
+def test_input_model_object_is_not_modified():
+    m = block()
+    before = m.SerializeToString()
+    graphmp.convert(m, None)
+    assert m.SerializeToString() == before
