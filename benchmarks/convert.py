@@ -44,6 +44,13 @@ ALL_TOOLS = ("graphmp", "occ", "autocast")
 DEFAULT_AUTOCAST_PY = os.environ.get("AUTOCAST_PYTHON", "/work/venv-modelopt/bin/python")
 RESULT_TAG = "@@RESULT "
 SCHEMA_VERSION = 1
+# Input shapes for models whose symbolic dims make the generated default (batch 1, other
+# symbolic dims 16) meaningless; keyed by file stem, then input name. --shape overrides.
+DEFAULT_SHAPES = {
+    "ppocr_mobile_v2_cls": {"x": [1, 3, 48, 192]},   # 16x16 pools down to an empty tensor
+    "rivagan_encoder": {"frame": [1, 3, 1, 64, 64], "data": [1, 32]},
+    "rivagan_decoder": {"frame": [1, 3, 1, 64, 64]},
+}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -419,7 +426,20 @@ def worker_convert(tool, src, dst, options):
     _emit(res)
 
 
-def worker_ref(src, workdir, seed):
+def _fix_input_shapes(model, shapes: dict):
+    """Set the declared dims of the named graph inputs (in memory) so make_inputs uses them."""
+    for inp in model.graph.input:
+        if inp.name in shapes:
+            dims = inp.type.tensor_type.shape.dim
+            want = shapes[inp.name]
+            if len(dims) != len(want):
+                raise ValueError(f"--shape {inp.name}: rank {len(want)} != model rank {len(dims)}")
+            for d, v in zip(dims, want):
+                d.Clear()
+                d.dim_value = int(v)
+
+
+def worker_ref(src, workdir, seed, shapes=None):
     """Generate inputs, run the FP32 model in ORT CPU, classify its nodes."""
     workdir = Path(workdir)
     res = {"ok": False}
@@ -429,11 +449,17 @@ def worker_ref(src, workdir, seed):
         import onnx
 
         m = onnx.load(src, load_external_data=False)
-        res["inputs_error"] = None
-        feeds = make_inputs(m, seed=seed, batch=1)
+        res["nodes"] = classify_nodes(m)
+        if shapes:
+            mi = onnx.ModelProto()
+            mi.CopyFrom(m)
+            _fix_input_shapes(mi, shapes)
+            res["input_shape_overrides"] = shapes
+        else:
+            mi = m
+        feeds = make_inputs(mi, seed=seed, batch=1)
         _save_npz(workdir / "inputs.npz", feeds)
         res["inputs"] = {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in feeds.items()}
-        res["nodes"] = classify_nodes(m)
         res["opset"] = {(o.domain or "ai.onnx"): o.version for o in m.opset_import}
         t = time.perf_counter()
         outs = run_ort(src, feeds)
@@ -509,7 +535,7 @@ def worker_main(argv):
     if kind == "convert":
         worker_convert(argv[1], argv[2], argv[3], json.loads(argv[4]))
     elif kind == "ref":
-        worker_ref(argv[1], argv[2], int(argv[3]))
+        worker_ref(argv[1], argv[2], int(argv[3]), json.loads(argv[4]) if len(argv) > 4 else None)
     elif kind == "eval":
         worker_eval(argv[1], argv[2], argv[3])
     elif kind == "oracle":
@@ -782,10 +808,18 @@ def bench_model(path, key, workdir: Path, tools, args, avail, log) -> tuple[dict
     except OSError as e:
         info["error"] = _err(e)
     workdir.mkdir(parents=True, exist_ok=True)
-    ref = run_child(_self_cmd("ref", path, workdir, args.seed), args.oracle_timeout)
+    shapes = dict(DEFAULT_SHAPES.get(Path(path).stem, {})) if not args.no_default_shapes else {}
+    for spec in args.shape:
+        scope, _, rest = spec.rpartition(":")
+        if scope and scope not in (Path(path).stem, key):
+            continue
+        name, _, dims = rest.partition("=")
+        shapes[name] = [int(x) for x in dims.lower().split("x")]
+    ref = run_child(_self_cmd("ref", path, workdir, args.seed, json.dumps(shapes)), args.oracle_timeout)
     rr = ref["result"] or {}
     info["oracle_impl"] = rr.get("oracle_impl")
     info["inputs"] = rr.get("inputs")
+    info["input_shape_overrides"] = shapes or None
     info["outputs"] = rr.get("outputs")
     info["opset"] = rr.get("opset")
     info["nodes"] = rr.get("nodes")
@@ -842,9 +876,19 @@ def _fmt_num(x, fmt="{:.3g}"):
     return fmt.format(x)
 
 
+def _rss_cell(conv):
+    peak, base = conv.get("peak_rss_bytes"), conv.get("rss_after_import_bytes")
+    if not peak:
+        return "-"
+    cell = f"{peak / 2**20:.0f}"
+    if base:
+        cell += f" (+{max(peak - base, 0) / 2**20:.0f})"
+    return cell
+
+
 def markdown_table(rows, model_infos=()) -> str:
     floors = {i["model"]: i.get("oracle_fp32_floor") or {} for i in model_infos}
-    hdr = ["model", "tool", "status", "conv s", "peak RSS MB", "FP32 nodes", "casts +",
+    hdr = ["model", "tool", "status", "conv s", "peak RSS MB (+over imports)", "FP32 nodes", "casts +",
            "checker", "ORT CPU", "max abs", "max rel", "argmax", "tol ok", "note"]
     lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     for r in rows:
@@ -877,7 +921,7 @@ def markdown_table(rows, model_infos=()) -> str:
         cells = [
             r["model"], r["tool"], r["status"],
             _fmt_num(conv.get("time_s"), "{:.2f}"),
-            _fmt_num(conv["peak_rss_bytes"] / 2**20 if conv.get("peak_rss_bytes") else None, "{:.0f}"),
+            _rss_cell(conv),
             fp32,
             _fmt_num(r.get("casts_added"), "{:d}"),
             ("ok" if (r.get("checker") or {}).get("ok") else "FAIL") if r.get("checker") else "-",
@@ -907,6 +951,11 @@ def main(argv=None):
     ap.add_argument("--no-oracle", action="store_true", help="skip the FP16-faithful oracle runs")
     ap.add_argument("--tol", type=float, default=1e-2,
                     help="atol=rtol for within_tol and the max_rel floor (graphmp.check default)")
+    ap.add_argument("--shape", action="append", default=[], metavar="[MODEL:]INPUT=DxDx..",
+                    help="fix an input's shape for generated inputs, e.g. x=1x3x48x192 or "
+                    "ppocr_mobile_v2_cls:x=1x3x48x192 (repeatable)")
+    ap.add_argument("--no-default-shapes", action="store_true",
+                    help="ignore the built-in DEFAULT_SHAPES for known corpus models")
     ap.add_argument("--seed", type=int, default=0, help="seed for generated inputs")
     ap.add_argument("--calibrate", action="store_true",
                     help="pass the benchmark inputs as calibration data to graphmp and autocast "
@@ -961,7 +1010,8 @@ def main(argv=None):
         "tools": avail,
         "settings": {"tools": tools, "seed": args.seed, "oracle_timeout_s": args.oracle_timeout,
                      "convert_timeout_s": args.convert_timeout, "calibrate": args.calibrate,
-                     "no_oracle": args.no_oracle, "tol": args.tol, "oracle_impl": oracle_impls},
+                     "no_oracle": args.no_oracle, "tol": args.tol,
+                     "shape_args": args.shape, "default_shapes": None if args.no_default_shapes else DEFAULT_SHAPES, "oracle_impl": oracle_impls},
         "models": model_infos,
         "results": rows,
     }

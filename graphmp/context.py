@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from onnx import TensorProto
 
-from .ir import Graph, Names, Node
+from .ir import Graph, Names
 from .ops import LOW_TYPES
 
 

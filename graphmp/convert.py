@@ -13,7 +13,6 @@ import os
 import time
 
 import onnx
-from onnx import TensorProto
 
 from . import __version__
 from .context import FLOAT, Ctx, Options

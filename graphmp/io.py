@@ -22,14 +22,17 @@ TWO_GB = 2**31
 INLINE_LIMIT = 1024  # tensors this small stay inline when writing external data
 
 
+def attr_graphs(a) -> list:
+    """The subgraphs an attribute holds (If branches, Loop/Scan bodies)."""
+    return [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+
+
 def iter_graphs(graph):
     """Every GraphProto in the model: the main graph and all subgraphs."""
     yield graph
     for n in graph.node:
         for a in n.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                yield from iter_graphs(a.g)
-            for g in a.graphs:
+            for g in attr_graphs(a):
                 yield from iter_graphs(g)
 
 

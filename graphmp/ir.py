@@ -14,6 +14,7 @@ import onnx
 from onnx import GraphProto, ModelProto, NodeProto
 
 from .errors import GraphmpError
+from .io import attr_graphs
 
 
 class Node:
@@ -77,9 +78,7 @@ class Graph:
         self.children: list[Graph] = []
         for node in self.nodes:
             for a in node.proto.attribute:
-                graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else (
-                    list(a.graphs) if a.type == onnx.AttributeProto.GRAPHS else [])
-                for j, g in enumerate(graphs):
+                for j, g in enumerate(attr_graphs(a)):
                     sub = Graph(g, self, f"{key}/{node.name}.{a.name}{j or ''}", node)
                     node.subgraphs.append(sub)
                     self.children.append(sub)
@@ -187,8 +186,7 @@ class Graph:
             n.proto = p
             subs = iter(n.subgraphs)
             for a in p.attribute:
-                graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
-                for g in graphs:
+                for g in attr_graphs(a):
                     next(subs).proto = g
 
 
@@ -206,9 +204,7 @@ class Names:
                 self.used.update(n.input)
                 self.used.update(n.output)
                 for a in n.attribute:
-                    if a.type == onnx.AttributeProto.GRAPH:
-                        stack.append(a.g)
-                    stack.extend(a.graphs)
+                    stack.extend(attr_graphs(a))
         self.counter = itertools.count()
 
     def fresh(self, base: str) -> str:
@@ -233,7 +229,5 @@ def name_nodes(model: ModelProto, names: Names) -> int:
                 renamed += 1
             seen.add(n.name)
             for a in n.attribute:
-                if a.type == onnx.AttributeProto.GRAPH:
-                    stack.append(a.g)
-                stack.extend(a.graphs)
+                stack.extend(attr_graphs(a))
     return renamed

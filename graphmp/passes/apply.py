@@ -18,7 +18,6 @@ Guarantees:
 from __future__ import annotations
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper
 
 from ..context import FLOAT

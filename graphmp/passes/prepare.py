@@ -11,6 +11,7 @@ Nothing here changes what the model computes.
 """
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
@@ -68,9 +69,9 @@ def constants_to_initializers(model) -> int:
                     t = TensorProto()
                     t.CopyFrom(a.t)
                 elif a.name == "value_float":
-                    t = numpy_helper.from_array(onnx.numpy_helper.np.array(a.f, dtype="float32"))
+                    t = numpy_helper.from_array(np.array(a.f, dtype=np.float32))
                 elif a.name == "value_floats":
-                    t = numpy_helper.from_array(onnx.numpy_helper.np.array(list(a.floats), dtype="float32"))
+                    t = numpy_helper.from_array(np.array(list(a.floats), dtype=np.float32))
                 if t is not None:
                     t.name = n.output[0]
                     g.initializer.append(t)

@@ -14,12 +14,13 @@ import onnx
 from onnx import TensorProto
 
 from .. import ops
+from ..io import attr_graphs, iter_graphs
 
 
 def _skeleton(model):
     skel = onnx.ModelProto()
     skel.CopyFrom(model)
-    for g in _graphs(skel.graph):
+    for g in iter_graphs(skel.graph):
         for t in g.initializer:
             if t.data_location == TensorProto.EXTERNAL or (t.data_type == TensorProto.FLOAT and len(t.raw_data) > 4096):
                 t.ClearField("raw_data")
@@ -27,16 +28,6 @@ def _skeleton(model):
                 del t.external_data[:]
                 t.data_location = TensorProto.DEFAULT
     return skel
-
-
-def _graphs(g):
-    yield g
-    for n in g.node:
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(a.g)
-            for s in a.graphs:
-                yield from _graphs(s)
 
 
 def _declared(g_proto) -> dict:
@@ -55,11 +46,7 @@ def _collect(ctx, g_ir, g_proto):
             types[v.name] = v.type.tensor_type.elem_type
     ctx.types[g_ir.key] = types
     for node, pnode in zip(g_ir.nodes, g_proto.node):
-        subs = []
-        for a in pnode.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                subs.append(a.g)
-            subs.extend(a.graphs)
+        subs = [g for a in pnode.attribute for g in attr_graphs(a)]
         for sub_ir, sub_proto in zip(node.subgraphs, subs):
             _collect(ctx, sub_ir, sub_proto)
 
