@@ -815,7 +815,7 @@ def bench_model(path, key, workdir: Path, tools, args, avail, log) -> tuple[dict
             continue
         name, _, dims = rest.partition("=")
         shapes[name] = [int(x) for x in dims.lower().split("x")]
-    ref = run_child(_self_cmd("ref", path, workdir, args.seed, json.dumps(shapes)), args.oracle_timeout)
+    ref = run_child(_self_cmd("ref", path, workdir, args.seed, json.dumps(shapes)), args.convert_timeout)
     rr = ref["result"] or {}
     info["oracle_impl"] = rr.get("oracle_impl")
     info["inputs"] = rr.get("inputs")
@@ -946,8 +946,9 @@ def main(argv=None):
     ap.add_argument("--json", default=str(HERE / "results" / "convert.json"), help="output JSON path")
     ap.add_argument("--markdown", default=None, help="also write the table to this file")
     ap.add_argument("--oracle-timeout", type=float, default=600.0,
-                    help="seconds for each FP16-faithful oracle run (and the FP32 reference run) per model")
-    ap.add_argument("--convert-timeout", type=float, default=1800.0, help="seconds per conversion")
+                    help="seconds for each FP16-faithful oracle subprocess (per model: the FP32-source floor run "
+                    "and one per converted model)")
+    ap.add_argument("--convert-timeout", type=float, default=1800.0, help="seconds per conversion, per checker/ORT evaluation and per FP32 reference run")
     ap.add_argument("--no-oracle", action="store_true", help="skip the FP16-faithful oracle runs")
     ap.add_argument("--tol", type=float, default=1e-2,
                     help="atol=rtol for within_tol and the max_rel floor (graphmp.check default)")
