@@ -41,10 +41,10 @@ def _edges(ctx, g):
 
 
 def _fp32_sources(ctx, g):
-    """id(node) -> True where the node reads an FP32 graph input or outer-scope value
-    (a source no painting can lower)."""
+    """ids of the nodes that read an FP32 graph input or outer-scope value (a source no
+    painting can lower)."""
     local = {o for n in g.nodes for o in n.outputs if o}
-    out = {}
+    out = set()
     for n in g.nodes:
         for x in list(n.inputs) + sorted(n.implicit_inputs()):
             if not x or x in local:
@@ -53,7 +53,7 @@ def _fp32_sources(ctx, g):
             if owner is not None and x in owner.initializers:
                 continue
             if ctx.type_of(g, x) == FLOAT:
-                out[id(n)] = True
+                out.add(id(n))
     return out
 
 
@@ -118,14 +118,12 @@ def paint_graph(ctx, g):
             if id(n) in allow or not free(n):
                 continue
             ps = pred[id(n)]
-            if ps and not fp32_in.get(id(n)) and all(id(p) in allow for p in ps):
+            if ps and id(n) not in fp32_in and all(id(p) in allow for p in ps):
                 allow[id(n)] = n
                 changed = True
     # 5. clear nodes connected to allow through clear nodes
     is_clear = lambda m: kind(m) == "clear"  # noqa: E731
-    both = {**succ}
-    for k in both:
-        both[k] = succ[k] + pred[k]
+    both = {k: succ[k] + pred[k] for k in succ}
     allow.update(_reach(list(allow.values()), both, is_clear))
     ctx.lowered.update(allow)
 
