@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from . import __version__
 from .errors import GraphmpError
+from .io import write_json
 
 EPILOG_CONVERT = """\
 how precision is chosen:
@@ -31,12 +31,7 @@ def _csv(s):
     return tuple(x for x in s.split(",") if x)
 
 
-def _parser():
-    p = argparse.ArgumentParser(prog="graphmp", description="Make FP32 ONNX models fast on Tensor Cores "
-                                "without losing accuracy.")
-    p.add_argument("--version", action="version", version=f"graphmp {__version__}")
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
-
+def _add_convert(sub):
     c = sub.add_parser("convert", help="FP32 -> mixed precision (FP16 compute, FP32 islands)",
                        description="Rewrite an FP32 ONNX model to mixed precision by inserting Casts. "
                        "The input is never modified.", epilog=EPILOG_CONVERT,
@@ -67,6 +62,8 @@ def _parser():
     c.add_argument("--rtol", type=float, default=1e-2)
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
 
+
+def _add_check(sub):
     k = sub.add_parser("check", help="accuracy of a converted model vs its FP32 source (FP16-faithful)",
                        description="Run the FP32 model (ONNX Runtime) and the converted one (an evaluator "
                        "that computes every op in its declared dtype, and ORT CUDA when a GPU is present) "
@@ -78,14 +75,54 @@ def _parser():
     k.add_argument("--atol", type=float, default=1e-2)
     k.add_argument("--rtol", type=float, default=1e-2)
     k.add_argument("--json", metavar="PATH", help="write the result as JSON")
+
+
+def _run_convert(args) -> int:
+    from .convert import convert
+    out = args.output or os.path.splitext(args.model)[0] + ".mp.onnx"
+    cal = "off" if args.no_calibration else args.calibration
+    rep = convert(args.model, out, target=args.target, keep_io_types=args.keep_io_types,
+                  fp32_ops=args.fp32_ops, fp32_nodes=args.fp32_nodes, fp16_nodes=args.fp16_nodes,
+                  calibration=cal, range_threshold=args.range_threshold,
+                  external_data=args.external_data, validate=args.validate, atol=args.atol,
+                  rtol=args.rtol, verbose=not args.quiet)
+    if args.report:
+        write_json(args.report, rep.to_dict())
+    if not args.quiet:
+        print(rep.summary())
+    if args.validate and not rep.to_dict()["validation"]["passed"]:
+        print(f"graphmp: validation FAILED for {out} (atol {args.atol}, rtol {args.rtol}); "
+              "see the per-output errors above. Try --fp32-nodes for the offending layers "
+              "or --calibration with real data.", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_check(args) -> int:
+    from .check import check
+    rep = check(args.reference, args.converted, data=args.data, atol=args.atol, rtol=args.rtol)
+    if args.json:
+        write_json(args.json, rep.to_dict())
+    print(rep.summary())
+    return 0 if rep.passed else 1
+
+
+# One entry per subcommand: name -> (add its parser, run it). Each `_add_*` builds the
+# subparser; each `_run_*` calls the API and returns the exit code.
+COMMANDS = {
+    "convert": (_add_convert, _run_convert),
+    "check": (_add_check, _run_check),
+}
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="graphmp", description="Make FP32 ONNX models fast on Tensor Cores "
+                                "without losing accuracy.")
+    p.add_argument("--version", action="version", version=f"graphmp {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    for add, _ in COMMANDS.values():
+        add(sub)
     return p
-
-
-def _write_json(path, data):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, default=str)
-    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
@@ -94,39 +131,13 @@ def main(argv=None) -> int:
         _parser().print_help()
         return 2
     try:
-        if args.cmd == "convert":
-            from .convert import convert
-            out = args.output or os.path.splitext(args.model)[0] + ".mp.onnx"
-            cal = "off" if args.no_calibration else args.calibration
-            rep = convert(args.model, out, target=args.target, keep_io_types=args.keep_io_types,
-                          fp32_ops=args.fp32_ops, fp32_nodes=args.fp32_nodes, fp16_nodes=args.fp16_nodes,
-                          calibration=cal, range_threshold=args.range_threshold,
-                          external_data=args.external_data, validate=args.validate, atol=args.atol,
-                          rtol=args.rtol, verbose=not args.quiet)
-            if args.report:
-                _write_json(args.report, rep.to_dict())
-            if not args.quiet:
-                print(rep.summary())
-            if args.validate and not rep.to_dict()["validation"]["passed"]:
-                print(f"graphmp: validation FAILED for {out} (atol {args.atol}, rtol {args.rtol}); "
-                      "see the per-output errors above. Try --fp32-nodes for the offending layers "
-                      "or --calibration with real data.", file=sys.stderr)
-                return 1
-            return 0
-        if args.cmd == "check":
-            from .check import check
-            rep = check(args.reference, args.converted, data=args.data, atol=args.atol, rtol=args.rtol)
-            if args.json:
-                _write_json(args.json, rep.to_dict())
-            print(rep.summary())
-            return 0 if rep.passed else 1
+        return COMMANDS[args.cmd][1](args)
     except GraphmpError as e:
         print(f"graphmp: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("graphmp: interrupted; nothing was written", file=sys.stderr)
         return 130
-    return 2
 
 
 if __name__ == "__main__":

@@ -230,3 +230,12 @@ def save_model(model: onnx.ModelProto, out_path: str, src_dir: str | None, conve
                 os.unlink(f)
             except OSError:
                 pass
+
+
+def write_json(path: str, data) -> None:
+    """Write JSON atomically (a temporary file renamed over the target)."""
+    import json
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+    os.replace(tmp, path)
