@@ -59,6 +59,9 @@ class ConvertReport:
             lines.append("  kept FP32:")
             for reason, count in d["fp32_by_reason"].items():
                 lines.append(f"    {count:5d}  {reason}")
+        if "padding" in d:
+            from .pad import summarize
+            lines.append(summarize(d["padding"]))
         changed = [r for r in d["rounding"] if r.get("flushed_to_zero") or r.get("overflowed")]
         if changed:
             lines.append(f"  rounding: {len(changed)} initializer(s) lost values to zero/overflow "
@@ -102,11 +105,13 @@ def _convert_fn(arr, elem):
 def convert(src, dst=None, *, target: str = "fp16", keep_io_types: bool = True, fp32_ops=(),
             fp32_nodes: str | None = None, fp16_nodes: str | None = None, calibration=None,
             range_threshold: float = 512.0, external_data: bool | None = None, validate: bool = False,
-            atol: float = 1e-2, rtol: float = 1e-2, verbose: bool = False) -> ConvertReport:
+            atol: float = 1e-2, rtol: float = 1e-2, verbose: bool = False,
+            pad_channels: int | None = None) -> ConvertReport:
     """Convert an FP32 ONNX model (path or ModelProto) to mixed precision.
 
     dst: output path (written atomically; the input is never touched) or None to get
     the model back in `report.model`. See `graphmp convert --help` for the options.
+    pad_channels: first pad channels/GEMM dims to multiples of this (graphmp.pad).
     """
     t0 = time.perf_counter()
     if target not in LOW_TYPES:
@@ -148,6 +153,10 @@ def convert(src, dst=None, *, target: str = "fp16", keep_io_types: bool = True, 
         return ConvertReport(report, model)
 
     ctx.log(f"loaded {path}: {len(model.graph.node)} nodes")
+    if pad_channels:
+        from .pad import pad_model
+        report["padding"] = pad_model(model, base_dir, pad_channels)
+        ctx.log(f"padded {len(report['padding']['padded'])} layer dims to multiples of {pad_channels}")
     prepare.build(ctx)
     model = ctx.model
     report["weight_bytes_before"] = model_weight_bytes(model)  # Constant nodes counted as weights
