@@ -1,0 +1,320 @@
+"""Tensor Core channel padding: outputs unchanged, dims aligned, every choice reported.
+
+Each targeted graph is built so that a wrong padding would show: biases and BN shifts
+are non-zero, Sigmoid turns padded zeros into 0.5, so any consumer that did not get
+zero weights for the padded channels (or forgot to slice) changes the outputs.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import graphmp
+from graphmp.cli import main
+from graphmp.oracle import make_inputs, run_ort, run_reference
+from graphmp.pad import pad
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RNG = np.random.default_rng(0)
+
+
+class G:
+    """A tiny graph builder: NCHW float input with a symbolic batch (and optionally spatial) dims."""
+
+    def __init__(self, c=3, hw=(8, 8), dynamic_hw=False, opset=17):
+        self.nodes, self.inits, self.opset = [], [], opset
+        dims = ["N", c] + (["H", "W"] if dynamic_hw else list(hw))
+        self.inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)]
+        self.k = 0
+
+    def name(self, base):
+        self.k += 1
+        return f"{base}{self.k}"
+
+    def init(self, base, arr):
+        n = self.name(base)
+        self.inits.append(numpy_helper.from_array(np.asarray(arr, dtype=np.float32), n))
+        return n
+
+    def node(self, op, ins, n_out=1, **attrs):
+        outs = [self.name(op.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op, ins, outs, name=self.name(op), **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def conv(self, x, cin, cout, k=3, stride=1, group=1, bias=True):
+        w = self.init("w", RNG.normal(0, 0.3, (cout, cin // group, k, k)))
+        ins = [x, w] + ([self.init("b", RNG.normal(0, 0.5, cout))] if bias else [])
+        return self.node("Conv", ins, kernel_shape=[k, k], pads=[k // 2] * 4, strides=[stride, stride], group=group)
+
+    def bn(self, x, c):
+        ins = [x] + [self.init(b, v) for b, v in (("s", RNG.uniform(0.5, 1.5, c)), ("bb", RNG.normal(0, 1, c)),
+                                                    ("m", RNG.normal(0, 0.2, c)), ("v", RNG.uniform(0.5, 2, c)))]
+        return self.node("BatchNormalization", ins)
+
+    def model(self, *outputs):
+        outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs]
+        g = helper.make_graph(self.nodes, "t", self.inputs, outs, self.inits)
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", self.opset)], ir_version=9)
+        m = onnx.shape_inference.infer_shapes(m)
+        del m.graph.value_info[:]
+        onnx.checker.check_model(m, full_check=True)
+        return m
+
+
+def node_by_name(model, name):
+    return next(n for n in model.graph.node if n.name == name)
+
+
+def weight_dims(model, name):
+    t = next(t for t in model.graph.initializer if t.name == name)
+    return list(t.dims)
+
+
+def assert_padded_ok(src, multiple=8, batches=(1, 3), hw=None, **kw):
+    """Pad `src`, then: checker-clean, outputs equal to FP32 rounding on several input
+    sizes, output shapes unchanged, every padded dim a multiple (stems: 4 or 8) and
+    really present in the padded weights. Returns (report dict, padded model)."""
+    rep = pad(src, None, multiple=multiple, **kw)
+    out = rep.model
+    onnx.checker.check_model(out, full_check=True)
+    base = src if isinstance(src, onnx.ModelProto) else onnx.load(src)
+    for b in batches:
+        feeds = make_inputs(base, seed=b, batch=b, dim=hw or 16)
+        ref, got = run_ort(base, feeds), run_ort(out, feeds)
+        for k, v in ref.items():
+            assert got[k].shape == v.shape, k
+            err = float(np.max(np.abs(got[k].astype(np.float64) - v))) if v.size else 0.0
+            assert err <= 1e-5 * max(1.0, float(np.max(np.abs(v)))), (k, err)
+    d = rep.to_dict()
+    for p in d["padded"]:
+        if "stem" in p["dim"]:
+            assert p["new"] in (4, 8)
+        else:
+            assert p["new"] % multiple == 0, p
+        assert p["new"] > p["old"] and p["flops_after"] >= p["flops_before"]
+        n = node_by_name(out, p["node"])
+        w = weight_dims(out, n.input[1])
+        if n.op_type in ("Conv", "ConvTranspose"):
+            axis = {"out_channels": 0 if n.op_type == "Conv" else 1,
+                    "in_channels": 1 if n.op_type == "Conv" else 0}.get(p["dim"].split(" ")[0], 0)
+            assert w[axis] == (p["new"] if "depthwise" in p["dim"] or p["dim"] == "out_channels" or n.op_type == "ConvTranspose"
+                               else p["new"] // next((a.i for a in n.attribute if a.name == "group"), 1)), (p, w)
+        else:
+            assert p["new"] in w, (p, w)
+    return d, out
+
+
+def test_conv_bn_sigmoid_conv_padded_and_sliced_at_output():
+    g = G(c=8)
+    y = g.node("Sigmoid", [g.bn(g.conv("x", 8, 13), 13)])       # padded channels become 0.5
+    z = g.conv(y, 13, 21)
+    m = g.model(z)
+    d, out = assert_padded_ok(m)
+    dims = {(p["dim"], p["old"], p["new"]) for p in d["padded"]}
+    assert ("out_channels", 13, 16) in dims and ("in_channels", 13, 16) in dims and ("out_channels", 21, 24) in dims
+    assert d["slice_nodes"] == 1                                 # only at the graph output
+    assert [n.op_type for n in out.graph.node].count("Slice") == 1
+    assert d["weight_bytes_added"] > 0 and d["flops_padded_layers_after"] > d["flops_padded_layers_before"]
+
+
+def test_wrong_padding_would_be_caught():
+    """The check above is not vacuous: zero-padding a consumer's weights with ones breaks it."""
+    g = G(c=8)
+    m = g.model(g.conv(g.node("Sigmoid", [g.conv("x", 8, 13)]), 13, 16))
+    out = pad(m, None, multiple=8).model
+    conv2 = [n for n in out.graph.node if n.op_type == "Conv"][1]
+    t = next(t for t in out.graph.initializer if t.name == conv2.input[1])
+    w = numpy_helper.to_array(t).copy()
+    w[:, 13:] = 1.0
+    t.CopyFrom(numpy_helper.from_array(w, t.name))
+    feeds = make_inputs(m, batch=2)
+    assert np.max(np.abs(run_ort(out, feeds)[m.graph.output[0].name] - run_ort(m, feeds)[m.graph.output[0].name])) > 1
+
+
+def test_grouped_conv_is_left_with_a_reason_and_depthwise_follows():
+    g = G(c=8)
+    a = g.node("Relu", [g.conv("x", 8, 12)])                      # 12 -> 16
+    dw = g.conv(a, 12, 12, group=12)                              # depthwise: follows to 16 groups
+    b = g.conv(g.node("Relu", [dw]), 12, 20)                      # absorbs 16, pads 20 -> 24
+    grp = g.conv(b, 20, 10, group=2)                              # grouped: left, input sliced
+    m = g.model(grp)
+    d, out = assert_padded_ok(m)
+    assert any("depthwise" in p["dim"] and p["new"] == 16 for p in d["padded"])
+    dwn = next(n for n in out.graph.node if n.op_type == "Conv" and any(a.name == "group" and a.i == 16 for a in n.attribute))
+    assert weight_dims(out, dwn.input[1])[0] == 16
+    assert any("grouped conv (group=2)" in u["reason"] for u in d["unaligned"])
+    assert any(s["op_type"] == "Conv" for s in d["sliced_back"])
+
+
+def test_residual_add_of_two_padded_branches_stays_padded():
+    g = G(c=8)
+    a = g.conv("x", 8, 13)
+    b = g.conv("x", 8, 13, k=1)
+    s = g.node("Add", [g.node("Relu", [a]), b])
+    m = g.model(g.conv(s, 13, 16))
+    d, out = assert_padded_ok(m)
+    assert d["slice_nodes"] == 0 and not d["sliced_back"]        # the Add ran on 16 channels
+    add = next(n for n in out.graph.node if n.op_type == "Add")
+    assert all(i.endswith(".padded") or ".padded" in i for i in add.input)
+
+
+def test_concat_of_padded_and_unpadded():
+    g = G(c=8)
+    a = g.conv("x", 8, 12)                                        # 12 -> 16
+    b = g.conv("x", 8, 16)                                        # aligned, not padded
+    cat = g.node("Concat", [a, b], axis=1)                        # 32 channels, real ones scattered
+    c = g.conv(cat, 28, 24)
+    odd = g.node("Concat", [a, g.conv("x", 8, 3, bias=False)], axis=1)   # 16+3: not aligned -> originals
+    m = g.model(c, g.conv(odd, 15, 8))
+    d, out = assert_padded_ok(m)
+    assert ("in_channels", 28, 32) in {(p["dim"], p["old"], p["new"]) for p in d["padded"]}
+    assert any(s["op_type"] == "Concat" for s in d["sliced_back"])
+
+
+def test_matmul_odd_k_and_n_with_dynamic_dims():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", 13])
+    w1 = numpy_helper.from_array(RNG.normal(0, 0.3, (13, 21)).astype(np.float32), "w1")
+    b1 = numpy_helper.from_array(RNG.normal(0, 1, 21).astype(np.float32), "b1")
+    w2 = numpy_helper.from_array(RNG.normal(0, 0.3, (21, 19)).astype(np.float32), "w2")
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Add", ["h", "b1"], ["hb"], name="bias"),
+             helper.make_node("Tanh", ["hb"], ["t"], name="tanh"),
+             helper.make_node("MatMul", ["t", "w2"], ["y"], name="mm2"),
+             helper.make_node("Softmax", ["y"], ["p"], name="sm", axis=-1)]
+    m = helper.make_model(helper.make_graph(nodes, "mm", [x], [helper.make_tensor_value_info("p", TensorProto.FLOAT, ["B", "S", 19])],
+                                            [w1, b1, w2]), opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    d, out = assert_padded_ok(m, batches=(1, 4), hw=7)
+    dims = {(p["node"], p["dim"], p["old"], p["new"]) for p in d["padded"]}
+    assert {("mm1", "N", 21, 24), ("mm2", "K", 21, 24), ("mm2", "N", 19, 24)} <= dims
+    assert any(u["node"] == "mm1" and u["dim"] == "K" for u in d["unaligned"])   # K from the raw input
+    assert any(s["op_type"] == "Softmax" for s in d["sliced_back"])              # softmax sees 19 classes
+
+
+@pytest.mark.parametrize("stride,expect", [(2, 4), (1, 8)])
+def test_first_conv_with_three_channels(stride, expect):
+    g = G(c=3, dynamic_hw=True)
+    m = g.model(g.conv(g.node("Relu", [g.conv("x", 3, 16, stride=stride)]), 16, 16))
+    d, out = assert_padded_ok(m, hw=12)
+    assert d["stem"] and d["stem"][0]["new"] == expect and "Pad node" in d["stem"][0]["choice"]
+    pads = [n for n in out.graph.node if n.op_type == "Pad"]
+    assert len(pads) == 1 and pads[0].input[0] == "x"
+    off = pad(m, None, multiple=8, stem="off").to_dict()
+    assert not off["stem"] and any("stem off" in u["reason"] for u in off["unaligned"])
+
+
+def test_flatten_gemm_after_padded_convs():
+    g = G(c=8, hw=(4, 4))
+    a = g.node("Relu", [g.conv("x", 8, 13)])
+    p = g.node("MaxPool", [a], kernel_shape=[2, 2], strides=[2, 2])    # 13 x 2 x 2
+    f = g.node("Flatten", [p], axis=1)                                  # 52 features, padded: 64
+    w = g.init("fc", RNG.normal(0, 0.3, (21, 52)))
+    y = g.node("Gemm", [f, w, g.init("fcb", RNG.normal(0, 1, 21))], transB=1)
+    gap = g.node("GlobalAveragePool", [g.node("Sigmoid", [a])])
+    z = g.node("Gemm", [g.node("Flatten", [gap]), g.init("fc2", RNG.normal(0, 0.3, (13, 5)))])
+    m = g.model(y, z)
+    d, out = assert_padded_ok(m)
+    dims = {(p["dim"], p["old"], p["new"]) for p in d["padded"]}
+    assert ("K", 52, 64) in dims and ("N", 21, 24) in dims and ("K", 13, 16) in dims
+    assert not any(s["op_type"] in ("Flatten", "Gemm") for s in d["sliced_back"])
+
+
+def test_conv_transpose_instance_norm_and_resize():
+    g = G(c=8)
+    a = g.conv("x", 8, 12)
+    inorm = g.node("InstanceNormalization", [a, g.init("s", RNG.uniform(0.5, 1.5, 12)), g.init("b", RNG.normal(0, 1, 12))])
+    up = g.node("Resize", [g.node("Relu", [inorm]), "", g.init("sc", [1, 1, 2, 2])], mode="nearest")
+    w = g.init("wt", RNG.normal(0, 0.3, (12, 6, 2, 2)))
+    ct = g.node("ConvTranspose", [up, w, g.init("bt", RNG.normal(0, 1, 6))], strides=[2, 2], kernel_shape=[2, 2])
+    m = g.model(ct)
+    d, out = assert_padded_ok(m)
+    assert any(p["op_type"] == "ConvTranspose" and p["dim"] == "in_channels" and p["new"] == 16 for p in d["padded"])
+    assert any(p["op_type"] == "ConvTranspose" and p["dim"] == "out_channels" and p["new"] == 8 for p in d["padded"])
+    assert not d["sliced_back"] and d["slice_nodes"] == 1
+
+
+@pytest.mark.parametrize("multiple", [8, 16, 64])
+def test_multiples(multiple):
+    g = G(c=8)
+    m = g.model(g.conv(g.node("Relu", [g.bn(g.conv("x", 8, 45), 45)]), 45, 100))
+    d, _ = assert_padded_ok(m, multiple=multiple, max_overhead=1.0)
+    assert {p["new"] for p in d["padded"]} == {-(-45 // multiple) * multiple, -(-100 // multiple) * multiple}
+    assert all(p["new"] % multiple == 0 for p in d["padded"])
+
+
+def test_aligned_model_is_left_alone():
+    g = G(c=8)
+    m = g.model(g.conv(g.node("Relu", [g.conv("x", 8, 16)]), 16, 32))
+    d, out = assert_padded_ok(m)
+    assert not d["padded"] and not d["unaligned"] and d["slice_nodes"] == 0
+    assert [n.op_type for n in out.graph.node] == [n.op_type for n in m.graph.node]
+
+
+def test_overhead_limit_is_reported():
+    g = G(c=8)
+    m = g.model(g.conv("x", 8, 2))
+    d = pad(m, None, multiple=8).to_dict()
+    assert not d["padded"] and "300%" in d["unaligned"][0]["reason"]
+    d2, _ = assert_padded_ok(m, max_overhead=4)
+    assert d2["padded"][0]["new"] == 8
+
+
+REAL = sorted(glob.glob(os.path.join(ROOT, "models", "real", "*.onnx")) + glob.glob(os.path.join(ROOT, "models", "tiny", "*.onnx")))
+
+
+@pytest.mark.parametrize("path", REAL, ids=[os.path.basename(p) for p in REAL])
+def test_real_models_unchanged_outputs(path):
+    d, out = assert_padded_ok(path, batches=(1, 2))
+    assert not any(p["new"] % 8 for p in d["padded"] if "stem" not in p["dim"])
+
+
+def test_real_models_are_padded_where_it_matters():
+    d, out = assert_padded_ok(os.path.join(ROOT, "models", "tiny", "gpt2.onnx"))
+    assert ("N", 1001, 1008) in {(p["dim"], p["old"], p["new"]) for p in d["padded"]}     # the tied LM head
+    assert d["slice_nodes"] == 1
+    d, _ = assert_padded_ok(os.path.join(ROOT, "models", "real", "ppocr_mobile_v2_cls.onnx"))
+    assert len(d["padded"]) >= 10 and d["stem"][0]["new"] == 4
+
+
+def test_pad_converted_mixed_precision_model(tmp_path):
+    src = os.path.join(ROOT, "models", "tiny", "gpt2.onnx")
+    mp = graphmp.convert(src, None).model
+    d, out = assert_padded_ok(mp)
+    head = node_by_name(out, next(p["node"] for p in d["padded"] if p["dim"] == "N"))
+    assert next(t for t in out.graph.initializer if t.name == head.input[1]).data_type == TensorProto.FLOAT16
+    # the FP16-faithful oracle agrees too: padding did not change what FP16 computes
+    feeds = make_inputs(mp, batch=1)
+    a, b = run_reference(mp, feeds), run_reference(out, feeds)
+    for k in a:
+        assert np.max(np.abs(a[k].astype(np.float32) - b[k].astype(np.float32))) <= 1e-2 * np.max(np.abs(a[k]))
+
+
+def test_convert_with_pad_channels_validates(tmp_path):
+    src = os.path.join(ROOT, "models", "real", "ppocr_mobile_v2_cls.onnx")
+    out = tmp_path / "p.onnx"
+    before = open(src, "rb").read()
+    rep = graphmp.convert(src, out, pad_channels=8, validate=True)
+    d = rep.to_dict()
+    assert d["validation"]["passed"] and len(d["padding"]["padded"]) >= 10
+    assert "padding to multiples of 8" in rep.summary()
+    assert open(src, "rb").read() == before
+    m = onnx.load(out)
+    assert {p.key for p in m.metadata_props} >= {"graphmp", "graphmp.pad"}
+
+
+def test_cli_pad(tmp_path, capsys):
+    src = os.path.join(ROOT, "models", "real", "ppocr_mobile_v2_cls.onnx")
+    out, rep = tmp_path / "o.onnx", tmp_path / "r.json"
+    assert main(["pad", src, "-o", str(out), "--multiple", "16", "--validate", "--report", str(rep)]) == 0
+    text = capsys.readouterr().out
+    assert "padding to multiples of 16" in text and "validation: max abs difference" in text
+    import json
+    d = json.load(open(rep))
+    assert d["multiple"] == 16 and d["validation"]["shapes_unchanged"]
+    assert main(["pad", src, "-o", str(out), "--multiple", "7"]) == 2
+    assert "must be one of" in capsys.readouterr().err
+    assert main(["pad", str(tmp_path / "missing.onnx")]) == 2
