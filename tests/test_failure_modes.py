@@ -23,7 +23,6 @@ import copy
 import functools
 import hashlib
 import json
-import math
 import os
 import pathlib
 import re
