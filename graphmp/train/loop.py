@@ -1,0 +1,478 @@
+"""train() / export(): run a step graph made by build_step on ONNX Runtime.
+
+Guarantees:
+- One step-graph run per batch. On CUDA (or with device_state=True) the state lives in
+  device OrtValues bound with I/O binding, two buffers used in turn (outputs of step k are
+  the inputs of step k+1): a step copies the batch in and the loss / finite flag out.
+- Data: an .npz (or a dict) with one array per model input, named as the input, plus the
+  labels array (`labels` unless build_step was given another label_name), first axis =
+  samples. Every epoch visits the samples in a fresh order (numpy default_rng(seed + epoch));
+  the last partial batch is dropped (BatchNormalization statistics of a tiny batch are
+  noise; with drop_last=False it is kept). Or any re-iterable of batch dicts (a list, an
+  object whose __iter__ starts over); each epoch iterates it again.
+- Checkpoints (every `checkpoint_every` steps and at the end): run_dir/ckpt-<step>.npz then
+  run_dir/checkpoint.json naming it, each written atomically, so a killed run resumes from
+  the last complete checkpoint and repeats exactly the steps after it: the resumed run
+  ends with the same weights as an uninterrupted one, bit for bit (deterministic kernels,
+  i.e. the CPU provider; no Dropout).
+- Eval: the inference graph (the source model with the current weights and BN running
+  statistics, BN in inference mode), in the training precision; loss (and accuracy for
+  cross-entropy) computed in numpy from the model output.
+- export(): the source model with the trained tensors as its initializers (FP32), or that
+  converted by graphmp.convert (precision="mixed").
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..errors import GraphmpError
+from ..io import check_writable, save_model, write_json
+from ..oracle import ort_session
+from ..progress import Progress
+from .step import NEXT, SCALE, STEP, save_npz
+
+CHECKPOINT = "checkpoint.json"
+
+
+# --- the run dir -------------------------------------------------------------------------
+
+def load_run(run_dir) -> dict:
+    """train.json of a run dir made by build_step (clear errors when it is not one)."""
+    run_dir = os.fspath(run_dir)
+    meta_path = os.path.join(run_dir, "train.json")
+    if not os.path.isdir(run_dir):
+        raise GraphmpError(f"{run_dir}: no such run folder. Make one with "
+                           f"`graphmp train-graph model.onnx -o {run_dir}`.")
+    if not os.path.isfile(meta_path):
+        raise GraphmpError(f"{run_dir}: has no train.json, so it is not a (complete) run folder. Make one with "
+                           f"`graphmp train-graph model.onnx -o {run_dir}`.")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    for k in ("step_model", "infer_model", "initial_state"):
+        p = os.path.join(run_dir, meta[k])
+        if not os.path.isfile(p):
+            raise GraphmpError(f"{p}: missing from the run folder; rebuild it with `graphmp train-graph`.")
+    return meta
+
+
+def _read_npz(path) -> dict:
+    try:
+        with np.load(path) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError) as e:
+        raise GraphmpError(f"{path}: not a readable .npz ({e}).") from None
+
+
+def latest_state(run_dir) -> tuple[dict, dict | None]:
+    """(state arrays, checkpoint info or None): the last checkpoint, else the initial state."""
+    run_dir = os.fspath(run_dir)
+    meta = load_run(run_dir)
+    ck_path = os.path.join(run_dir, CHECKPOINT)
+    if os.path.isfile(ck_path):
+        with open(ck_path) as f:
+            ck = json.load(f)
+        return _read_npz(os.path.join(run_dir, ck["state_file"])), ck
+    return _read_npz(os.path.join(run_dir, meta["initial_state"])), None
+
+
+def _save_checkpoint(run_dir, state: dict, info: dict):
+    name = f"ckpt-{info['step']:09d}.npz"
+    save_npz(os.path.join(run_dir, name), state)
+    old = None
+    ck_path = os.path.join(run_dir, CHECKPOINT)
+    if os.path.isfile(ck_path):
+        with open(ck_path) as f:
+            old = json.load(f).get("state_file")
+    write_json(ck_path, dict(info, state_file=name))
+    if old and old != name:
+        try:
+            os.unlink(os.path.join(run_dir, old))
+        except OSError:
+            pass
+
+
+# --- data ------------------------------------------------------------------------------------
+
+def _expected(meta) -> dict:
+    """{name: (dims, dtype)} of the step inputs a batch must hold."""
+    exp = {n: (d, np.dtype(meta["input_types"][n])) for n, d in meta["inputs"].items()}
+    lab = meta["label"]
+    exp[lab["name"]] = (lab["shape"], np.dtype(lab["dtype"]))
+    return exp
+
+
+def _conform(arrays: dict, meta: dict, where: str, batched: bool) -> dict:
+    """Check names, per-sample shapes and dtypes against the step graph; cast losslessly."""
+    exp = _expected(meta)
+    missing = [n for n in exp if n not in arrays]
+    if missing:
+        extra = sorted(set(arrays) - set(exp))
+        what = " (the labels: class indices for cross-entropy, targets for mse)" \
+            if meta["label"]["name"] in missing else ""
+        raise GraphmpError(f"{where}: missing array(s) {missing}{what}. Expected one array per model input plus "
+                           f"the labels: {list(exp)}; found {sorted(arrays)}"
+                           + (f" (unused: {extra})" if extra else "") + ".")
+    out, n = {}, None
+    for name, (dims, dt) in exp.items():
+        a = np.asarray(arrays[name])
+        if dims is not None and a.ndim != len(dims):
+            raise GraphmpError(f"{where}: '{name}' has shape {a.shape}, the model wants {len(dims)} axes {dims} "
+                               f"(first axis = {'batch' if batched else 'samples'}).")
+        for i, d in enumerate(dims or []):
+            if i > 0 and isinstance(d, int) and a.shape[i] != d:
+                raise GraphmpError(f"{where}: '{name}' has shape {a.shape}; axis {i} must be {d} (model wants {dims}).")
+        if n is None:
+            n = a.shape[0] if a.ndim else None
+        elif a.ndim and a.shape[0] != n:
+            raise GraphmpError(f"{where}: arrays disagree on the number of samples (first axis): '{name}' has "
+                               f"{a.shape[0]}, others {n}.")
+        if a.dtype != dt:
+            if dt.kind == "i" and a.dtype.kind == "f" and not np.array_equal(a, np.round(a)):
+                raise GraphmpError(f"{where}: '{name}' must hold integer class indices, got non-integer floats.")
+            if dt.kind == "i" and a.dtype.kind not in "iuf" or dt.kind == "f" and a.dtype.kind not in "iuf":
+                raise GraphmpError(f"{where}: '{name}' has dtype {a.dtype}; the model wants {dt}.")
+            a = a.astype(dt)
+        out[name] = a
+    return out
+
+
+class _Dataset:
+    """Arrays with samples on the first axis, batched in a seeded order per epoch."""
+
+    def __init__(self, data, meta, where):
+        arrays = _read_npz(os.fspath(data)) if isinstance(data, (str, os.PathLike)) else dict(data)
+        self.arrays = _conform(arrays, meta, where, batched=False)
+        self.n = next(iter(self.arrays.values())).shape[0]
+        self.where = where
+
+    def num_batches(self, batch_size, drop_last):
+        return self.n // batch_size if drop_last else -(-self.n // batch_size)
+
+    def batches(self, epoch, batch_size, seed, drop_last, start=0):
+        order = np.random.default_rng(seed + epoch).permutation(self.n)
+        for i in range(start, self.num_batches(batch_size, drop_last)):
+            idx = order[i * batch_size:(i + 1) * batch_size]
+            yield {k: v[idx] for k, v in self.arrays.items()}
+
+    def sequential(self, batch_size):
+        for i in range(0, self.n, batch_size):
+            yield {k: v[i:i + batch_size] for k, v in self.arrays.items()}
+
+
+class _Iterable:
+    """A re-iterable of batch dicts (the Python API)."""
+
+    def __init__(self, data, meta):
+        self.data, self.meta = data, meta
+        self.n = None
+        try:
+            self.nb = len(data)
+        except TypeError:
+            self.nb = None
+
+    def num_batches(self, batch_size, drop_last):
+        return self.nb
+
+    def batches(self, epoch, batch_size, seed, drop_last, start=0):
+        for i, b in enumerate(self.data):
+            if i >= start:
+                yield _conform(b, self.meta, f"batch {i} of epoch {epoch}", batched=True)
+
+
+def _source(data, meta, what="data"):
+    if isinstance(data, (str, os.PathLike, dict)):
+        return _Dataset(data, meta, os.fspath(data) if isinstance(data, (str, os.PathLike)) else what)
+    if hasattr(data, "__iter__"):
+        return _Iterable(data, meta)
+    raise GraphmpError(f"{what} must be an .npz path, a dict of arrays or an iterable of batch dicts, "
+                       f"not {type(data).__name__}")
+
+
+def _in_order(src, batch_size):
+    """Every sample once, in order (eval)."""
+    return src.sequential(batch_size) if isinstance(src, _Dataset) else src.batches(0, batch_size, 0, False)
+
+
+# --- running the step ---------------------------------------------------------------------------
+
+def _uses_cuda(sess) -> bool:
+    return sess.get_providers()[0] == "CUDAExecutionProvider"
+
+
+class StepRunner:
+    """Runs step.onnx; holds the state (numpy on the plain path, device OrtValues when bound)."""
+
+    def __init__(self, run_dir, meta, state: dict, providers=None, device_state: bool | None = None,
+                 threads: int | None = None):
+        import onnxruntime as ort
+        self.meta = meta
+        self.names = [s["input"] for s in meta["state"]]
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if threads:
+            so.intra_op_num_threads = threads
+        self.sess = ort.InferenceSession(os.path.join(run_dir, meta["step_model"]), so,
+                                         providers=providers or ["CPUExecutionProvider"])
+        self.bound = _uses_cuda(self.sess) if device_state is None else bool(device_state)
+        self.device = "cuda" if _uses_cuda(self.sess) else "cpu"
+        missing = [n for n in self.names if n not in state]
+        if missing:
+            raise GraphmpError(f"{run_dir}: the state file lacks {missing[:5]}; it does not belong to this step graph.")
+        if self.bound:
+            ov = ort.OrtValue
+            self.bufs = [{n: ov.ortvalue_from_numpy(np.array(state[n], order="C"), self.device, 0) for n in self.names},
+                         {n: ov.ortvalue_from_shape_and_type(list(state[n].shape), state[n].dtype, self.device, 0)
+                          for n in self.names}]
+            self.cur = 0
+            self.io = self.sess.io_binding()
+        else:
+            self.state = {n: state[n] for n in self.names}
+        self.scale_const = None if meta["dynamic_scale"] else float(meta["config"]["loss_scale"])
+
+    def step(self, batch: dict) -> tuple[float, bool, float]:
+        """One optimizer step; returns (loss, applied, loss scale after the step)."""
+        loss_name, fin = self.meta["loss_output"], self.meta["finite_output"]
+        if not self.bound:
+            feeds = dict(batch)
+            feeds.update(self.state)
+            out_names = [loss_name, fin] + [n + NEXT for n in self.names]
+            outs = self.sess.run(out_names, feeds)
+            self.state = dict(zip(self.names, outs[2:]))
+            loss, finite = outs[0], outs[1]
+            scale = self.state[SCALE] if self.scale_const is None else self.scale_const
+            return float(loss), bool(finite), float(scale)
+        io, cur, nxt = self.io, self.bufs[self.cur], self.bufs[1 - self.cur]
+        io.clear_binding_inputs()
+        io.clear_binding_outputs()
+        for k, v in batch.items():
+            io.bind_cpu_input(k, np.asarray(v, order="C"))
+        io.bind_output(loss_name, "cpu")
+        io.bind_output(fin, "cpu")
+        for n in self.names:
+            io.bind_ortvalue_input(n, cur[n])
+            io.bind_ortvalue_output(n + NEXT, nxt[n])
+        self.sess.run_with_iobinding(io)
+        loss, finite = (o.numpy() for o in io.get_outputs()[:2])
+        self.cur = 1 - self.cur
+        scale = nxt[SCALE].numpy() if self.scale_const is None else self.scale_const
+        return float(loss), bool(finite), float(scale)
+
+    def state_numpy(self) -> dict:
+        if not self.bound:
+            return dict(self.state)
+        return {n: np.array(v.numpy()) for n, v in self.bufs[self.cur].items()}  # copies: buffers are reused
+
+
+# --- eval -------------------------------------------------------------------------------------
+
+def infer_model(run_dir, meta, state: dict) -> onnx.ModelProto:
+    """The source model with `state`'s weights and BN statistics as initializers (FP32)."""
+    m = onnx.load(os.path.join(os.fspath(run_dir), meta["infer_model"]))
+    trained = set(meta["weights"]) | set(meta["bn_stats"])
+    keep = [v for v in m.graph.input if v.name not in trained]
+    del m.graph.input[:]
+    m.graph.input.extend(keep)
+    for n in meta["weights"] + meta["bn_stats"]:
+        m.graph.initializer.append(numpy_helper.from_array(np.asarray(state[n], dtype=np.float32), n))
+    return m
+
+
+class Evaluator:
+    """Inference-mode forward with given weights; loss (+ accuracy for cross-entropy) in numpy."""
+
+    def __init__(self, run_dir, meta, state: dict, providers=None, sample_batch: dict | None = None):
+        self.meta = meta
+        m = onnx.load(os.path.join(os.fspath(run_dir), meta["infer_model"]))
+        out = meta["model_output"]
+        if out not in {o.name for o in m.graph.output}:
+            m.graph.output.append(onnx.helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, None))
+        self.trained = meta["weights"] + meta["bn_stats"]
+        if meta["config"]["precision"] == "mixed":
+            from ..convert import convert
+            cal = {n: np.asarray(state[n]) for n in self.trained}
+            cal.update({k: v for k, v in (sample_batch or {}).items() if k in meta["inputs"]})
+            m = convert(m, calibration=[cal] if sample_batch else "off", keep_io_types=True).model
+        self.sess = ort_session(m, providers)
+
+    def run(self, state: dict, source, batch_size: int) -> dict:
+        lab = self.meta["label"]["name"]
+        weights = {n: np.asarray(state[n], dtype=np.float32) for n in self.trained}
+        losses, correct, n = 0.0, 0, 0
+        for b in _in_order(source, batch_size):
+            feeds = {k: v for k, v in b.items() if k in self.meta["inputs"]}
+            feeds.update(weights)
+            y = self.sess.run([self.meta["model_output"]], feeds)[0].astype(np.float64)
+            t = b[lab]
+            k = y.shape[0]
+            if self.meta["config"]["loss"] == "cross-entropy":
+                z = np.moveaxis(y, 1, -1)
+                z = z - z.max(-1, keepdims=True)
+                logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+                losses += -np.take_along_axis(logp, t[..., None].astype(np.int64), -1).mean() * k
+                correct += float((z.argmax(-1) == t).mean()) * k
+            else:
+                losses += float(((y - t) ** 2).mean()) * k
+            n += k
+        if not n:
+            raise GraphmpError("eval data holds no samples")
+        res = {"loss": float(losses / n), "samples": int(n)}
+        if self.meta["config"]["loss"] == "cross-entropy":
+            res["accuracy"] = float(correct / n)
+        return res
+
+
+def evaluate(run_dir, data, batch_size: int = 256, providers=None, state: dict | None = None) -> dict:
+    """Eval loss (and accuracy) of the run's latest weights (or `state`) on `data`."""
+    meta = load_run(run_dir)
+    state = state if state is not None else latest_state(run_dir)[0]
+    src = _source(data, meta, "eval data")
+    first = next(iter(_in_order(src, batch_size)))
+    return Evaluator(run_dir, meta, state, providers, first).run(state, src, batch_size)
+
+
+# --- train ---------------------------------------------------------------------------------------
+
+@dataclass
+class TrainResult:
+    summary: dict
+    history: dict = field(default_factory=dict)  # per step of this call: loss, scale, applied
+    state: dict = field(default_factory=dict)
+
+
+def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, checkpoint_every: int = 100,
+          resume: bool = True, providers=None, progress: bool = True, seed: int = 0, drop_last: bool = True,
+          max_steps: int | None = None, device_state: bool | None = None, threads: int | None = None) -> TrainResult:
+    """Train the run in run_dir on `data` for `epochs` epochs (see the module docstring).
+
+    resume: continue from run_dir/checkpoint.json when present (with the same batch_size,
+    seed and drop_last). max_steps: stop after this many steps in total (counting resumed ones).
+    Returns the summary (also written to run_dir/summary.json), this call's per-step history
+    and the final state."""
+    run_dir = os.fspath(run_dir)
+    meta = load_run(run_dir)
+    if batch_size < 1 or epochs < 0:
+        raise GraphmpError(f"batch_size must be >= 1 and epochs >= 0 (got {batch_size}, {epochs})")
+    src = _source(data, meta)
+    where = getattr(src, "where", "data")
+    fixed = [d[0] for d in meta["inputs"].values() if d and isinstance(d[0], int)]
+    if fixed and isinstance(src, _Dataset) and fixed[0] != batch_size:
+        raise GraphmpError(f"{run_dir}: the model's batch axis is fixed at {fixed[0]}; use batch_size {fixed[0]} "
+                           "or re-export the model with a dynamic batch axis.")
+    nb = src.num_batches(batch_size, drop_last)
+    if isinstance(src, _Dataset) and nb == 0:
+        raise GraphmpError(f"{where}: {src.n} samples, fewer than one batch of {batch_size}; lower batch_size.")
+
+    state, ck = latest_state(run_dir) if resume else (_read_npz(os.path.join(run_dir, meta["initial_state"])), None)
+    setup = {"batch_size": batch_size, "seed": seed, "drop_last": drop_last, "samples": getattr(src, "n", None)}
+    pos = {"step": 0, "epoch": 0, "position": 0, "skipped": 0}
+    if ck is not None:
+        for k, v in setup.items():
+            if ck["setup"].get(k) != v:
+                raise GraphmpError(f"{run_dir}: the checkpoint was made with {k}={ck['setup'].get(k)}, this run has "
+                                   f"{k}={v}; pass the same value, or resume=False (--no-resume) to start over.")
+        pos = {k: ck[k] for k in pos}
+
+    runner = StepRunner(run_dir, meta, state, providers, device_state, threads)
+    evaluator = None
+    eval_src = None
+    if eval_data is not None:
+        eval_src = _source(eval_data, meta, "eval data")
+    history = {"loss": [], "scale": [], "applied": []}
+    times = []
+    ev_result = None
+    total = None if nb is None else nb * epochs
+    if max_steps is not None and total is not None:
+        total = min(total, max_steps)
+
+    def checkpoint():
+        _save_checkpoint(run_dir, runner.state_numpy(), dict(pos, setup=setup))
+
+    done = pos["step"]
+    stop = False
+    with Progress(total=total, desc="train", enabled=progress) as bar:
+        bar.n = done if total else 0
+        for epoch in range(pos["epoch"], epochs):
+            start = pos["position"] if epoch == pos["epoch"] else 0
+            for batch in src.batches(epoch, batch_size, seed, drop_last, start):
+                if max_steps is not None and pos["step"] >= max_steps:
+                    stop = True
+                    break
+                t0 = time.perf_counter()
+                loss, applied, scale = runner.step(batch)
+                times.append(time.perf_counter() - t0)
+                pos["step"] += 1
+                pos["position"] += 1
+                pos["skipped"] += not applied
+                history["loss"].append(loss)
+                history["scale"].append(scale)
+                history["applied"].append(applied)
+                bar.update(1, epoch=epoch + 1, loss=f"{loss:.4f}", scale=f"{scale:g}", skipped=pos["skipped"])
+                if checkpoint_every and pos["step"] % checkpoint_every == 0:
+                    checkpoint()
+            if stop:
+                break
+            pos["epoch"], pos["position"] = epoch + 1, 0
+            if eval_src is not None:
+                st = runner.state_numpy()
+                if evaluator is None:
+                    first = next(iter(_in_order(eval_src, 256)))
+                    evaluator = Evaluator(run_dir, meta, st, providers, first)
+                ev_result = evaluator.run(st, eval_src, max(batch_size, 256))
+    checkpoint()
+    state = runner.state_numpy()
+    losses = [x for x, a in zip(history["loss"], history["applied"]) if np.isfinite(x)]
+    summary = {
+        "steps": pos["step"], "steps_this_call": len(history["loss"]),
+        "optimizer_steps": int(state[STEP]), "skipped_steps": pos["skipped"],
+        "final_scale": float(state[SCALE]) if meta["dynamic_scale"] else float(meta["config"]["loss_scale"]),
+        "loss": float(np.mean(losses[-max(1, (nb or 10)):])) if losses else None,
+        "last_loss": history["loss"][-1] if history["loss"] else None,
+        "eval": ev_result, "seconds_per_step": statistics.median(times) if times else None,
+        "device": runner.device, "state_on_device": runner.bound, "precision": meta["config"]["precision"],
+        "epochs_done": pos["epoch"],
+    }
+    write_json(os.path.join(run_dir, "summary.json"), summary)
+    return TrainResult(summary, history, state)
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"steps: {s['steps']} ({s['optimizer_steps']} applied, {s['skipped_steps']} skipped for inf/NaN "
+             f"gradients); loss scale now {s['final_scale']:g}"]
+    if s["loss"] is not None:
+        lines.append(f"train loss (last epoch mean): {s['loss']:.4f}")
+    if s.get("eval"):
+        e = s["eval"]
+        lines.append(f"eval: loss {e['loss']:.4f}" + (f", accuracy {e['accuracy']:.4f}" if "accuracy" in e else "")
+                     + f" on {e['samples']} samples")
+    if s["seconds_per_step"]:
+        lines.append(f"time/step: {s['seconds_per_step'] * 1e3:.2f} ms (median, {s['device']}, {s['precision']})")
+    return "\n".join(lines)
+
+
+# --- export ----------------------------------------------------------------------------------------
+
+def export(run_dir, out_path, precision: str = "fp32", state: dict | None = None) -> str:
+    """Write the inference model with the run's latest weights to out_path (atomically)."""
+    if precision not in ("fp32", "mixed"):
+        raise GraphmpError(f"precision must be 'fp32' or 'mixed', not '{precision}'")
+    meta = load_run(run_dir)
+    out_path = os.fspath(out_path)
+    check_writable(out_path, meta["source"])
+    state = state if state is not None else latest_state(run_dir)[0]
+    model = infer_model(run_dir, meta, state)
+    onnx.checker.check_model(model, full_check=True)
+    if precision == "mixed":
+        from ..convert import convert
+        convert(model, out_path, keep_io_types=True)
+    else:
+        save_model(model, out_path, None, None, external=False)
+    return out_path
+
