@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from . import __version__
@@ -60,6 +61,8 @@ def _add_convert(sub):
                    "afterwards; exit 1 if the error exceeds --atol/--rtol")
     c.add_argument("--atol", type=float, default=1e-2)
     c.add_argument("--rtol", type=float, default=1e-2)
+    c.add_argument("--pad-channels", type=int, metavar="N", help="also pad Conv channels and GEMM dims to "
+                   "multiples of N first (see `graphmp pad --help`)")
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
 
 
@@ -85,7 +88,7 @@ def _run_convert(args) -> int:
                   fp32_ops=args.fp32_ops, fp32_nodes=args.fp32_nodes, fp16_nodes=args.fp16_nodes,
                   calibration=cal, range_threshold=args.range_threshold,
                   external_data=args.external_data, validate=args.validate, atol=args.atol,
-                  rtol=args.rtol, verbose=not args.quiet)
+                  rtol=args.rtol, verbose=not args.quiet, pad_channels=args.pad_channels)
     if args.report:
         write_json(args.report, rep.to_dict())
     if not args.quiet:
@@ -98,6 +101,68 @@ def _run_convert(args) -> int:
     return 0
 
 
+EPILOG_PAD = """\
+what is padded (with zero weights, so outputs are unchanged):
+  Conv/ConvTranspose output channels, Gemm/MatMul N (e.g. a 50257 vocabulary -> 50264);
+  the consumers' input channels / K rows follow. Padded channels flow through per-channel
+  ops (BatchNorm, activations, Add/Mul, pooling, Concat, Flatten, ...) and are sliced back
+  only where they would become observable (graph outputs, Reshape, Softmax, reductions).
+  A first Conv on a 3-channel input gets one Pad node: to 4 channels with stride >= 2,
+  else 8 (--stem off leaves it). Grouped convs, layers already aligned and layers where
+  padding would cost more than --max-overhead stay as they are; the report says why.
+
+examples:
+  graphmp pad model.onnx -o model.pad.onnx                      # multiples of 8
+  graphmp pad model.onnx -o out.onnx --multiple 64 --validate    # A100/H100 tiles, checked
+  graphmp convert model.onnx -o out.onnx --pad-channels 8       # padding + mixed precision
+"""
+
+
+def _add_pad(sub):
+    c = sub.add_parser("pad", help="pad Conv channels and GEMM dims to multiples of 8 (outputs unchanged)",
+                       description="Pad channel counts and GEMM dimensions so FP16 Tensor Core kernels run "
+                       "their best tiles. Precision is not changed (use convert --pad-channels for both). "
+                       "The input is never modified.", epilog=EPILOG_PAD,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("model", help="input .onnx model (FP32 or already converted)")
+    c.add_argument("-o", "--output", help="output .onnx (default: MODEL.pad.onnx next to the input)")
+    c.add_argument("--multiple", type=int, default=8, help="pad to multiples of this (8, 16 or 64; default 8)")
+    c.add_argument("--stem", choices=["auto", "off"], default="auto",
+                   help="pad a first Conv's 3-channel input with one Pad node (default auto)")
+    c.add_argument("--max-overhead", type=float, default=0.5, metavar="FRACTION",
+                   help="leave a layer unpadded when padding would grow it by more than this (default 0.5)")
+    c.add_argument("--external-data", dest="external_data", action="store_true", default=None,
+                   help="write weights to OUTPUT.data (default: when the input had external data)")
+    c.add_argument("--no-external-data", dest="external_data", action="store_false")
+    c.add_argument("--report", metavar="JSON", help="write the report (every padded and unaligned layer) as JSON")
+    c.add_argument("--validate", action="store_true", help="run ONNX Runtime on both models with the same "
+                   "inputs; exit 1 if outputs differ by more than --atol or change shape")
+    c.add_argument("--atol", type=float, default=1e-4)
+    c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+
+
+def _run_pad(args) -> int:
+    from .pad import pad
+    out = args.output or os.path.splitext(args.model)[0] + ".pad.onnx"
+    rep = pad(args.model, out, multiple=args.multiple, stem=args.stem, max_overhead=args.max_overhead,
+              external_data=args.external_data, validate=args.validate)
+    if args.report:
+        write_json(args.report, rep.to_dict())
+    if not args.quiet:
+        print(f"{args.model} -> {out}")
+        print(rep.summary())
+    if args.validate:
+        v = rep["validation"]
+        if not args.quiet:
+            print(f"  validation: max abs difference {v['max_abs']:.3g}, output shapes "
+                  f"{'unchanged' if v['shapes_unchanged'] else 'CHANGED'}")
+        if v["max_abs"] > args.atol or not v["shapes_unchanged"]:
+            print(f"graphmp: validation FAILED for {out}: outputs differ by {v['max_abs']:.3g} "
+                  f"(atol {args.atol}) or changed shape. Please report this model.", file=sys.stderr)
+            return 1
+    return 0
+
+
 def _run_check(args) -> int:
     from .check import check
     rep = check(args.reference, args.converted, data=args.data, atol=args.atol, rtol=args.rtol)
@@ -107,11 +172,293 @@ def _run_check(args) -> int:
     return 0 if rep.passed else 1
 
 
+EPILOG_TRAIN_GRAPH = """\
+what the step graph does (one ONNX Runtime run = one optimizer step):
+  FP32 master weights -> (mixed) Casts to FP16 placed by `graphmp convert` -> forward in
+  training mode (BatchNorm batch statistics, Dropout on) -> loss -> backward seeded with
+  the loss scale S -> gradients / S in FP32 -> one all-finite check -> optional clipping
+  -> optimizer update, applied only when every gradient is finite -> S halves on an
+  overflow (not below --min-scale) and doubles after --growth-interval clean steps (not
+  above --max-scale). A static --loss-scale never changes. Writes OUT/step.onnx,
+  OUT/state.npz (initial state), OUT/infer.onnx and OUT/train.json.
+
+examples:
+  graphmp train-graph model.onnx -o run/ --loss cross-entropy --label-shape N --lr 1e-3
+  graphmp train-graph model.onnx -o run/ --optimizer sgd --lr 0.1 --momentum 0.9 --loss-scale 1024
+  graphmp train-graph model.onnx -o run/ --loss mse --precision fp32 --trainable 'head\\.'
+"""
+
+EPILOG_TRAIN = """\
+data: an .npz with one array per model input (named as the input) plus `labels`
+(class indices for cross-entropy, targets for mse); first axis = samples. Each epoch
+shuffles (numpy default_rng(seed + epoch)) and drops the last partial batch.
+A checkpoint (RUN/ckpt-*.npz + RUN/checkpoint.json) is written every --checkpoint-every
+steps and at the end; rerunning the same command resumes from it (--no-resume starts over).
+
+examples:
+  graphmp train run/ --data train.npz --epochs 3 --eval eval.npz
+  graphmp train run/ --data train.npz --batch-size 64 --checkpoint-every 500 --device cuda
+"""
+
+
+def _shape(s):
+    return [int(d) if d.strip().isdigit() else d.strip() for d in s.split(",") if d.strip()]
+
+
+def _add_train_graph(sub):
+    t = sub.add_parser("train-graph", help="build a loss-scaled mixed-precision training step graph",
+                       description="Build the training step of an FP32 ONNX model as a graph of standard ONNX "
+                       "ops that ONNX Runtime (CPU, CUDA) runs as an ordinary session. The model is not modified.",
+                       epilog=EPILOG_TRAIN_GRAPH, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("model", help="FP32 .onnx model to train")
+    t.add_argument("-o", "--output", required=True, metavar="RUN_DIR", help="run folder to write (created)")
+    t.add_argument("--loss", choices=["cross-entropy", "mse"], default="cross-entropy",
+                   help="cross-entropy: integer class labels over axis 1 of the output; mse: mean squared error")
+    t.add_argument("--label-shape", type=_shape, metavar="DIMS", help="labels shape, comma separated, names "
+                   "for symbolic dims (e.g. N or N,10); default: derived from the model output")
+    t.add_argument("--model-output", metavar="TENSOR", help="tensor that feeds the loss (default: the first "
+                   "output; for a model ending in Softmax name the logits before it)")
+    t.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    t.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    t.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9; 0 = none)")
+    t.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"), help="AdamW betas")
+    t.add_argument("--eps", type=float, default=1e-8, help="AdamW epsilon")
+    t.add_argument("--weight-decay", type=float, default=0.0, help="AdamW: decoupled; SGD: added to the gradient")
+    t.add_argument("--clip-norm", type=float, metavar="MAX", help="clip the global gradient norm (after unscaling)")
+    t.add_argument("--loss-scale", default="dynamic", metavar="dynamic|S",
+                   help="'dynamic' (default) or a fixed scale such as 1024")
+    t.add_argument("--init-scale", type=float, default=2.0**16, help="dynamic: initial S (default 65536)")
+    t.add_argument("--growth-interval", type=int, default=2000, help="dynamic: clean steps before S grows (2000)")
+    t.add_argument("--backoff", type=float, default=0.5, help="dynamic: S factor on overflow (0.5)")
+    t.add_argument("--growth", type=float, default=2.0, help="dynamic: S factor after growth-interval clean steps (2)")
+    t.add_argument("--min-scale", type=float, default=1.0, help="dynamic: floor of S (1)")
+    t.add_argument("--max-scale", type=float, default=2.0**24, help="dynamic: cap of S (2^24)")
+    t.add_argument("--precision", choices=["mixed", "fp32"], default="mixed",
+                   help="mixed: FP16 compute with FP32 islands, as `graphmp convert` decides (default)")
+    t.add_argument("--trainable", metavar="REGEX", help="train only the initializers whose name matches")
+    t.add_argument("--calibration", nargs="+", metavar="NPZ", help="(mixed) input batches for the convert "
+                   "range check, one array per model input; default: a generated batch")
+
+
+def _add_train(sub):
+    t = sub.add_parser("train", help="run a training step graph on ONNX Runtime (checkpoints, eval)",
+                       description="Train the run folder made by `graphmp train-graph`: one step per batch, "
+                       "progress line with loss / loss scale / skipped steps, checkpoints, eval, summary.",
+                       epilog=EPILOG_TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("run_dir", help="run folder made by `graphmp train-graph`")
+    t.add_argument("--data", required=True, metavar="NPZ", help="training data (see below)")
+    t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--eval", metavar="NPZ", help="eval data, same layout; evaluated after every epoch")
+    t.add_argument("--checkpoint-every", type=int, default=100, metavar="STEPS")
+    t.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint and start over")
+    t.add_argument("--seed", type=int, default=0, help="shuffling seed")
+    t.add_argument("--max-steps", type=int, help="stop after this many steps in total")
+    t.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: CUDA when onnxruntime-gpu sees a GPU (state stays on the device), else CPU")
+    t.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+
+
+def _add_export(sub):
+    e = sub.add_parser("export", help="write an inference model holding the trained weights",
+                       description="Write the source model with the run's latest trained weights and BatchNorm "
+                       "running statistics (FP32), or converted to mixed precision with --mixed.")
+    e.add_argument("run_dir", help="run folder made by `graphmp train-graph` (and trained)")
+    e.add_argument("-o", "--output", required=True, help="output .onnx")
+    e.add_argument("--mixed", action="store_true", help="convert to mixed precision (as `graphmp convert`)")
+
+
+def _run_train_graph(args) -> int:
+    from .train.step import build_step
+    meta = build_step(args.model, args.output, loss=args.loss, label_shape=args.label_shape,
+                      optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, betas=args.betas,
+                      eps=args.eps, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
+                      loss_scale=args.loss_scale, init_scale=args.init_scale,
+                      growth_interval=args.growth_interval, backoff=args.backoff, growth=args.growth,
+                      min_scale=args.min_scale, max_scale=args.max_scale, precision=args.precision,
+                      output=args.model_output, trainable=args.trainable, calibration=args.calibration)
+    print(f"{args.output}: step graph for {len(meta['weights'])} trainable tensors "
+          f"({meta['config']['precision']}, {meta['config']['optimizer']}, loss scale "
+          f"{meta['config']['loss_scale']}); inputs {list(meta['inputs'])} + '{meta['label']['name']}' "
+          f"{meta['label']['shape']}")
+    return 0
+
+
+def _run_train(args) -> int:
+    from .oracle import cuda_available
+    from .train.loop import format_summary, train
+    if args.device == "cuda" and not cuda_available():
+        raise GraphmpError("--device cuda: onnxruntime has no CUDAExecutionProvider here "
+                           "(install onnxruntime-gpu, or use --device cpu)")
+    cuda = args.device == "cuda" or (args.device == "auto" and cuda_available())
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else None
+    res = train(args.run_dir, args.data, epochs=args.epochs, batch_size=args.batch_size, eval_data=args.eval,
+                checkpoint_every=args.checkpoint_every, resume=not args.no_resume, providers=providers,
+                progress=not args.quiet, seed=args.seed, max_steps=args.max_steps)
+    print(format_summary(res.summary))
+    return 0
+
+
+def _run_export(args) -> int:
+    from .train.loop import export
+    out = export(args.run_dir, args.output, precision="mixed" if args.mixed else "fp32")
+    print(f"{out}: inference model with the trained weights ({'mixed precision' if args.mixed else 'FP32'})")
+    return 0
+
+
+EPILOG_BUILD = """\
+precision:
+  The network is strongly typed (TensorRT 10: STRONGLY_TYPED flag; TensorRT 11: always), so
+  the types and Casts in the ONNX graph ARE the engine's precision: build the output of
+  `graphmp convert` for FP16 Tensor Cores. An FP32 model gives an FP32 engine, which uses
+  TF32 Tensor Cores unless --no-tf32. No FP16/INT8 builder flag is set (gone in TensorRT 11).
+
+shapes (trtexec syntax, NAME:DxDx..., several separated by commas):
+  --shapes is the profile's opt shape of every input with a dynamic dim; --min-shapes and
+  --max-shapes default to it (an engine for exactly that shape).
+
+examples:
+  graphmp build model.mp.onnx -o model.plan --shapes pixel_values:8x3x224x224
+  graphmp build bert.mp.onnx -o bert.plan --shapes input_ids:8x128,attention_mask:8x128,token_type_ids:8x128 \\
+      --min-shapes input_ids:1x128,attention_mask:1x128,token_type_ids:1x128 \\
+      --max-shapes input_ids:32x128,attention_mask:32x128,token_type_ids:32x128
+  graphmp build model.mp.onnx -o model.plan --shapes x:1x3x224x224 --timing-cache trt.cache
+needs TensorRT 10 or 11 and an NVIDIA GPU: pip install 'graphmp[gpu]' (or pip install tensorrt).
+"""
+
+EPILOG_BENCH = """\
+what one run does:
+  converts the FP32 model with graphmp (or takes --converted), then for each backend,
+  precision and batch: builds the engine / creates the session, warms up, times steps
+  until --iterations and --min-time are both reached, and compares the outputs with ONNX
+  Runtime CPU FP32 on the same inputs. One table: median/p90/p99 latency, throughput,
+  speedup vs FP32 (strict) and vs TF32, device memory, engine size, build time, max
+  abs/rel error, argmax agreement.
+
+backends:  trt       TensorRT, strongly typed, one engine per precision and batch
+                     (needs tensorrt and torch with CUDA for buffers and CUDA events)
+           ort-cuda  ONNX Runtime CUDA, inputs/outputs bound on the device (I/O binding)
+           ort-cpu   ONNX Runtime CPU (no TF32; FP16 ops mostly run in FP32 there)
+precisions: fp32 (TF32 off), tf32 (TF32 on), fp16 (graphmp mixed), occ (--compare-occ:
+  onnxconverter-common's convert_float_to_float16, keep_io_types=True).
+A backend that cannot run here is reported as skipped, with how to install it.
+
+examples:
+  graphmp bench model.onnx                                    # all backends, batch 1
+  graphmp bench model.onnx --backends ort-cuda,trt --batch 1,8,32 --json out.json --plot out.png
+  graphmp bench model.onnx --backends ort-cpu --iterations 20 --min-time 0.5
+  graphmp bench model.onnx --converted model.mp.onnx --data inputs.npz --compare-occ
+"""
+
+
+def _int_list(s):
+    try:
+        items = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        items = []
+    if not items or any(b < 1 for b in items):
+        raise argparse.ArgumentTypeError(f"'{s}' is not a list of positive integers like 1,8,32")
+    return items
+
+
+def _add_build(sub):
+    b = sub.add_parser("build", help="TensorRT engine from an ONNX model (its Casts set the precision)",
+                       description="Build a strongly typed TensorRT engine from an ONNX model and save it. "
+                       "The model is never modified.", epilog=EPILOG_BUILD,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("model", help="input .onnx (normally the output of graphmp convert); external data is read "
+                   "from its folder")
+    b.add_argument("-o", "--output", help="engine file (default: MODEL.plan next to the input)")
+    b.add_argument("--shapes", metavar="NAME:DIMS,...", help="opt shapes of the dynamic inputs, e.g. "
+                   "input:8x3x224x224")
+    b.add_argument("--min-shapes", metavar="NAME:DIMS,...", help="smallest shapes (default: --shapes)")
+    b.add_argument("--max-shapes", metavar="NAME:DIMS,...", help="largest shapes (default: --shapes)")
+    b.add_argument("--timing-cache", metavar="FILE", help="read this timing cache if it exists and write it "
+                   "back after the build (rebuilds are much faster)")
+    b.add_argument("--no-tf32", action="store_true", help="strict FP32 for FP32 layers (clear BuilderFlag.TF32)")
+    b.add_argument("--workspace", type=int, metavar="MB", help="limit the builder's workspace memory")
+    b.add_argument("--verbose", action="store_true", help="TensorRT's verbose log")
+
+
+def _run_build(args) -> int:
+    from .trt import build_engine
+    out = args.output or os.path.splitext(args.model)[0] + ".plan"
+    res = build_engine(args.model, out, shapes=args.shapes, min_shapes=args.min_shapes, max_shapes=args.max_shapes,
+                       tf32=not args.no_tf32, timing_cache=args.timing_cache, workspace_mb=args.workspace,
+                       verbose=args.verbose)
+    print(res.summary())
+    return 0
+
+
+def _add_bench(sub):
+    b = sub.add_parser("bench", help="FP32 vs TF32 vs mixed FP16: latency, throughput, memory and accuracy",
+                       description="Benchmark a model in strict FP32, TF32 and graphmp mixed FP16 on TensorRT, "
+                       "ONNX Runtime CUDA and ONNX Runtime CPU, with the accuracy of every row on the same inputs.",
+                       epilog=EPILOG_BENCH, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("model", help="FP32 .onnx (converted here), or a model already converted by graphmp "
+                   "(then only its own rows run)")
+    b.add_argument("--converted", metavar="ONNX", help="use this converted model for the fp16 rows instead of "
+                   "converting MODEL")
+    b.add_argument("--backends", default="trt,ort-cuda,ort-cpu", metavar="LIST",
+                   help="any of trt,ort-cuda,ort-cpu (default: all three)")
+    b.add_argument("--precisions", metavar="LIST", help="any of fp32,tf32,fp16,occ (default: fp32,tf32,fp16)")
+    b.add_argument("--batch", type=_int_list, default=[1], metavar="N,N", help="batch sizes: the first "
+                   "(symbolic) input axis (default 1); a fixed-batch model runs its own batch")
+    b.add_argument("--data", metavar="NPZ", help="inputs (.npz, one array per input); the first axis is "
+                   "repeated/sliced to each batch. Default: generated (seeded) inputs")
+    b.add_argument("--dim", type=int, default=16, help="size of other symbolic dims (e.g. sequence) for "
+                   "generated inputs (default 16)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
+    b.add_argument("--iterations", type=int, default=50, help="at least this many timed steps (default 50)")
+    b.add_argument("--min-time", type=float, default=1.0, metavar="S",
+                   help="and at least this many seconds of timed steps (default 1.0)")
+    b.add_argument("--rounds", type=int, default=5, help="time the precisions of a backend and batch in this "
+                   "many interleaved rounds, so load changes hit them alike (default 5)")
+    b.add_argument("--compare-occ", action="store_true", help="add the model converted by onnxconverter-common "
+                   "(pip install 'graphmp[bench]') as precision 'occ'")
+    b.add_argument("--cudnn-conv-algo-search", choices=["EXHAUSTIVE", "HEURISTIC", "DEFAULT"],
+                   default="EXHAUSTIVE", help="ORT CUDA's cuDNN conv algorithm search (default EXHAUSTIVE)")
+    b.add_argument("--timing-cache", metavar="FILE", help="TensorRT timing cache to read and update")
+    b.add_argument("--workspace", type=int, metavar="MB", help="TensorRT builder workspace limit")
+    b.add_argument("--atol", type=float, default=1e-2)
+    b.add_argument("--rtol", type=float, default=1e-2)
+    b.add_argument("--oracle-max-mb", type=float, default=50.0, metavar="MB", help="run the FP16-faithful "
+                   "oracle (slow, CPU) on the mixed models when the FP32 weights are at most this (default 50; "
+                   "0 = never)")
+    b.add_argument("--keep", metavar="DIR", help="keep the converted models and engines in DIR")
+    b.add_argument("--json", metavar="PATH", help="write the results as JSON (schema: graphmp.bench docstring)")
+    b.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib: pip install 'graphmp[plot]')")
+    b.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+
+
+def _run_bench(args) -> int:
+    from .bench import bench
+    res = bench(args.model, converted=args.converted, backends=args.backends, precisions=args.precisions,
+                batches=args.batch, data=args.data, dim=args.dim, seed=args.seed, warmup=args.warmup,
+                iterations=args.iterations, min_time=args.min_time, rounds=args.rounds, compare_occ=args.compare_occ,
+                cudnn_conv_algo_search=args.cudnn_conv_algo_search, timing_cache=args.timing_cache,
+                workspace_mb=args.workspace, atol=args.atol, rtol=args.rtol, oracle_max_mb=args.oracle_max_mb,
+                keep=args.keep, command=getattr(args, "command_line", None), progress=not args.quiet)
+    if args.json:
+        res.write_json(args.json)
+    if args.plot:
+        res.plot(args.plot)
+    print(res.table())
+    return 0
+
+
 # One entry per subcommand: name -> (add its parser, run it). Each `_add_*` builds the
 # subparser; each `_run_*` calls the API and returns the exit code.
 COMMANDS = {
     "convert": (_add_convert, _run_convert),
     "check": (_add_check, _run_check),
+    "pad": (_add_pad, _run_pad),
+    "train-graph": (_add_train_graph, _run_train_graph),
+    "train": (_add_train, _run_train),
+    "export": (_add_export, _run_export),
+    "build": (_add_build, _run_build),
+    "bench": (_add_bench, _run_bench),
 }
 
 
@@ -127,6 +474,7 @@ def _parser():
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    args.command_line = shlex.join(["graphmp", *(sys.argv[1:] if argv is None else argv)])  # recorded by bench
     if args.cmd is None:
         _parser().print_help()
         return 2

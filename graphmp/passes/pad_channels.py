@@ -89,11 +89,6 @@ class Padder:
         self.graph_inputs = declared - set(self.inits)
         self.layouts: dict[str, Layout] = {}
         self.producer: dict[str, onnx.NodeProto] = {o: n for n in self.g.node for o in n.output}
-        self.readers: dict[str, int] = {}
-        for g in iter_graphs(self.g):
-            for n in g.node:
-                for i in n.input:
-                    self.readers[i] = self.readers.get(i, 0) + 1
         self.shapes = self._shapes()
         self.flops_before = _model_flops(model, self.shapes)
         self.padded, self.unaligned, self.sliced, self.stems = [], [], [], []
