@@ -24,6 +24,7 @@ class Progress:
         self.min_interval = min_interval if self.tty else log_interval
         self.t0 = time.perf_counter()
         self._last = 0.0
+        self._drawn = None          # (n, fields) of the last line drawn
         self.fields: dict = {}
 
     def __enter__(self):
@@ -54,6 +55,7 @@ class Progress:
             self._draw()
 
     def _draw(self, end: str = ""):
+        self._drawn = (self.n, dict(self.fields))
         if self.tty:
             self.stream.write("\r" + self._line() + "\x1b[K" + end)
         else:
@@ -62,5 +64,8 @@ class Progress:
 
     def close(self):
         if self.enabled:
-            self._draw("\n" if self.tty else "")
+            if self.tty:
+                self._draw("\n")
+            elif self._drawn != (self.n, self.fields):
+                self._draw()
             self.enabled = False
