@@ -70,9 +70,16 @@ def node_by_name(model, name):
     return next(n for n in model.graph.node if n.name == name)
 
 
+def weight(model, name):
+    """The initializer behind a weight input (through a Transpose, as in a tied LM head)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    if name not in inits:
+        name = next(n.input[0] for n in model.graph.node if n.op_type == "Transpose" and n.output[0] == name)
+    return inits[name]
+
+
 def weight_dims(model, name):
-    t = next(t for t in model.graph.initializer if t.name == name)
-    return list(t.dims)
+    return list(weight(model, name).dims)
 
 
 def assert_padded_ok(src, multiple=8, batches=(1, 3), hw=None, **kw):
@@ -276,6 +283,9 @@ def test_real_models_are_padded_where_it_matters():
     d, out = assert_padded_ok(os.path.join(ROOT, "models", "tiny", "gpt2.onnx"))
     assert ("N", 1001, 1008) in {(p["dim"], p["old"], p["new"]) for p in d["padded"]}     # the tied LM head
     assert d["slice_nodes"] == 1
+    assert d["weight_bytes_added"] < 8 * 64 * 4 + 4096          # the embedding table got rows, not a copy
+    gathers = [n for n in out.graph.node if n.op_type == "Gather" and weight_dims(out, n.input[0])[0] == 1008]
+    assert gathers                                               # the lookup reads the same padded table
     d, _ = assert_padded_ok(os.path.join(ROOT, "models", "real", "ppocr_mobile_v2_cls.onnx"))
     assert len(d["padded"]) >= 10 and d["stem"][0]["new"] == 4
 
@@ -285,7 +295,7 @@ def test_pad_converted_mixed_precision_model(tmp_path):
     mp = graphmp.convert(src, None).model
     d, out = assert_padded_ok(mp)
     head = node_by_name(out, next(p["node"] for p in d["padded"] if p["dim"] == "N"))
-    assert next(t for t in out.graph.initializer if t.name == head.input[1]).data_type == TensorProto.FLOAT16
+    assert weight(out, head.input[1]).data_type == TensorProto.FLOAT16
     # the FP16-faithful oracle agrees too: padding did not change what FP16 computes
     feeds = make_inputs(mp, batch=1)
     a, b = run_reference(mp, feeds), run_reference(out, feeds)

@@ -95,6 +95,7 @@ class Padder:
         self.new_nodes: dict[int, list] = {}       # index in graph.node -> nodes inserted before it
         self.replaced: set[str] = set()
         self.bypassed: set[str] = set()    # outputs of Transposes of weights now folded into copies
+        self.reshaped: set[str] = set()    # tensors that keep their name but not their shape
         self.bytes_added = 0
         self.slice_nodes = 0
 
@@ -250,7 +251,7 @@ class Padder:
         del self.g.initializer[:]
         self.g.initializer.extend(keep)
         produced = {o for n in self.g.node for o in n.output}
-        vi = [v for v in self.g.value_info if v.name in produced]
+        vi = [v for v in self.g.value_info if v.name in produced and v.name not in self.reshaped]
         del self.g.value_info[:]
         self.g.value_info.extend(vi)
 
@@ -426,9 +427,33 @@ class Padder:
                 if len(cs) == 2 and cs[0] != 1:
                     return self.leave(n, "N", nn, "bias C is a full matrix")
                 self.repad(n, bias_index, -1, np_, np.arange(nn))
-        self.repad(n, 1, b_n_axis, np_, np.arange(nn))
+        if not self._pad_tied(n, b_n_axis, np_, nn):
+            self.repad(n, 1, b_n_axis, np_, np.arange(nn))
         self.record(n, "N", nn, np_, 2 * rows * kp * nn, 2 * rows * kp * np_)
         self.pad_output(n, 0, -1, np_, np.arange(nn))
+
+    def _pad_tied(self, n, b_axis, size, count) -> bool:
+        """B = Transpose(W), W also an embedding table read by Gather(axis 0) (a tied LM head):
+        pad W's rows for every reader instead of storing a second, transposed copy. The
+        lookups never index the new rows; the head gets zero columns. True if done."""
+        p = self.producer.get(n.input[1])
+        if p is None or p.op_type != "Transpose" or p.input[0] not in self.inits:
+            return False
+        w, t = p.input[0], p.output[0]
+        if list(self.attr(p, "perm", [1, 0]))[b_axis] != 0 or t in {v.name for v in self.g.output}:
+            return False
+        nodes = [m for g in iter_graphs(self.g) for m in g.node]
+        if [m.name for m in nodes if t in m.input] != [n.name]:
+            return False
+        readers = [m for m in nodes if w in m.input]
+        if any(m.name != p.name and not (m.op_type == "Gather" and list(m.input) == [w, m.input[1]]
+                                         and self.attr(m, "axis", 0) == 0) for m in readers):
+            return False
+        new = self.new_init(f"{w}.pad{size}", scatter(self.array(w), 0, size, np.arange(count)), w)
+        for m in readers:
+            m.input[list(m.input).index(w)] = new
+        self.reshaped.add(t)
+        return True
 
     def on_Gemm(self, idx, n, ins):
         if not self._is_weight(n.input[1]):
