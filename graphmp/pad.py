@@ -16,7 +16,7 @@ import onnx
 
 from . import __version__
 from .errors import GraphmpError
-from .io import check_writable, is_external, iter_graphs, load_model, materialize, save_model
+from .io import check_writable, is_external, iter_graphs, load_model, materialize, model_weight_bytes, save_model
 from .ir import Names, name_nodes
 from .passes.pad_channels import pad_channels
 from .passes.prepare import constants_to_initializers, initializers_out_of_inputs
@@ -75,10 +75,10 @@ def pad_model(model: onnx.ModelProto, base_dir: str | None, multiple: int, stem:
                         "weights can be padded; ONNX Runtime recommends the same)")
     constants_to_initializers(model)
     name_nodes(model, Names(model))
-    before = sum(int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-                 for t in model.graph.initializer if t.data_type != onnx.TensorProto.STRING)
+    before = model_weight_bytes(model)
     rep = pad_channels(model, base_dir, multiple, stem, max_overhead)
     rep["weight_bytes_before"] = before
+    rep["weight_bytes_added"] = model_weight_bytes(model) - before
     rep["warnings"] = warnings
     meta = model.metadata_props.add()
     meta.key, meta.value = PAD_KEY, json.dumps({"version": __version__, "multiple": multiple})

@@ -328,3 +328,15 @@ def test_cli_pad(tmp_path, capsys):
     assert main(["pad", src, "-o", str(out), "--multiple", "7"]) == 2
     assert "must be one of" in capsys.readouterr().err
     assert main(["pad", str(tmp_path / "missing.onnx")]) == 2
+
+
+def test_shared_weight_is_padded_once():
+    g = G(c=8)
+    w = g.init("shared", RNG.normal(0, 0.3, (13, 8, 3, 3)))
+    a = g.node("Conv", ["x", w], kernel_shape=[3, 3], pads=[1] * 4)
+    b = g.node("Conv", [g.node("Relu", ["x"]), w], kernel_shape=[3, 3], pads=[1] * 4)
+    m = g.model(g.node("Add", [a, b]))
+    d, out = assert_padded_ok(m)
+    convs = [n for n in out.graph.node if n.op_type == "Conv"]
+    assert convs[0].input[1] == convs[1].input[1] and weight_dims(out, convs[0].input[1])[0] == 16
+    assert d["weight_bytes_added"] == 3 * 8 * 9 * 4 + 3 * 8            # 3 zero rows + the Slice's 3 int64s

@@ -96,7 +96,7 @@ class Padder:
         self.replaced: set[str] = set()
         self.bypassed: set[str] = set()    # outputs of Transposes of weights now folded into copies
         self.reshaped: set[str] = set()    # tensors that keep their name but not their shape
-        self.bytes_added = 0
+        self.copies: dict = {}             # (weight, axis, size, positions, fill) -> its padded copy
         self.slice_nodes = 0
 
     # ---- facts about tensors ------------------------------------------------------
@@ -162,7 +162,6 @@ class Padder:
         self.g.initializer.append(t)
         self.inits[name] = t
         self.shapes[name] = list(arr.shape)
-        self.bytes_added += arr.nbytes - (int(np.prod(self.inits[old].dims)) * arr.itemsize if old else 0)
         if old is not None:
             self.replaced.add(old)
         return name
@@ -170,10 +169,17 @@ class Padder:
     def repad(self, n, i, axis, size, real, fill=0.0, suffix="pad"):
         """Replace constant input i of node n by its copy scattered along `axis`."""
         old = n.input[i]
-        if old not in self.inits:
+        if old not in self.inits:  # a Transpose/Reshape of a weight: folded into the copy
             self.bypassed.add(old)
-        n.input[i] = self.new_init(f"{old}.{suffix}{size}", scatter(self.const_value(old), axis, size, real, fill),
-                                   old if old in self.inits else None)
+            p = self.producer.get(old)
+            if p is not None and p.input and p.input[0] in self.inits:
+                self.replaced.add(p.input[0])  # dropped at the end if nothing else reads it
+        key = (old, axis, size, np.asarray(real).tobytes(), fill)
+        if key not in self.copies:  # a weight shared by several layers is padded once
+            self.copies[key] = self.new_init(f"{old}.{suffix}{size}",
+                                             scatter(self.const_value(old), axis, size, real, fill),
+                                             old if old in self.inits else None)
+        n.input[i] = self.copies[key]
 
     def too_costly(self, n, what, old, new) -> bool:
         if (new - old) / old > self.max_overhead:
@@ -664,8 +670,7 @@ class Padder:
         fa = sum(p["flops_after"] for p in self.padded)
         return {"multiple": self.m, "padded": self.padded, "stem": self.stems, "unaligned": self.unaligned,
                 "sliced_back": self.sliced, "slice_nodes": self.slice_nodes, "padded_tensors": len(self.layouts),
-                "flops_padded_layers_before": fb, "flops_padded_layers_after": fa,
-                "weight_bytes_added": int(self.bytes_added)}
+                "flops_padded_layers_before": fb, "flops_padded_layers_after": fa}
 
 
 def pad_channels(model: onnx.ModelProto, base_dir: str | None, multiple: int, stem: str = "auto",
