@@ -340,3 +340,12 @@ def test_shared_weight_is_padded_once():
     convs = [n for n in out.graph.node if n.op_type == "Conv"]
     assert convs[0].input[1] == convs[1].input[1] and weight_dims(out, convs[0].input[1])[0] == 16
     assert d["weight_bytes_added"] == 3 * 8 * 9 * 4 + 3 * 8            # 3 zero rows + the Slice's 3 int64s
+
+
+def test_conv_whose_bias_is_computed_is_left_whole():
+    g = G(c=8)
+    b = g.node("Identity", [g.init("b", RNG.normal(0, 1, 13))])
+    y = g.node("Conv", ["x", g.init("w", RNG.normal(0, 0.3, (13, 8, 3, 3))), b], kernel_shape=[3, 3], pads=[1] * 4)
+    m = g.model(g.conv(g.node("Relu", [y]), 13, 16))
+    d, out = assert_padded_ok(m)
+    assert not d["padded"] and d["unaligned"][0]["reason"] == "bias is not an initializer"

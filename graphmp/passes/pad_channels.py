@@ -337,17 +337,7 @@ class Padder:
                               "padded)") if m % self.m else None
         if g > 1:
             return self.leave(n, "out_channels", m, f"grouped conv (group={g}): padding would change the groups")
-        if m % self.m == 0 or self.too_costly(n, "out_channels", m, round_up(m, self.m)):
-            return
-        mp = round_up(m, self.m)
-        self.repad(n, 1, 0, mp, np.arange(m))
-        if len(n.input) > 2 and n.input[2]:
-            if n.input[2] not in self.inits:
-                return self.leave(n, "out_channels", m, "bias is not an initializer")
-            self.repad(n, 2, 0, mp, np.arange(m))
-        spatial = out_shape[:1] + out_shape[2:]
-        self.record(n, "out_channels", m, mp, _flops(spatial, m * cin // g * kernel), _flops(spatial, mp * cin // g * kernel))
-        self.pad_output(n, 0, 1 - r, mp, np.arange(m))
+        self._pad_out_channels(n, 0, m, r, out_shape[:1] + out_shape[2:], cin * kernel)
 
     def _stem_pad(self, idx, n, cin, target, r):
         x = n.input[0]
@@ -396,16 +386,21 @@ class Padder:
             cin = lay.size
         elif cin % self.m:
             self.leave(n, "in_channels", cin, "its input comes from an op whose output is not padded")
-        if mg % self.m == 0 or self.too_costly(n, "out_channels", mg, round_up(mg, self.m)):
+        self._pad_out_channels(n, 1, mg, r, spatial, cin * kernel)
+
+    def _pad_out_channels(self, n, w_axis, m, r, spatial, per_channel):
+        """Conv/ConvTranspose (group 1): zero weight rows (axis w_axis) and bias up to the multiple."""
+        mp = round_up(m, self.m)
+        if m % self.m == 0 or self.too_costly(n, "out_channels", m, mp):
             return
-        mp = round_up(mg, self.m)
-        self.repad(n, 1, 1, mp, np.arange(mg))
-        if len(n.input) > 2 and n.input[2]:
-            if n.input[2] not in self.inits:
-                return self.leave(n, "out_channels", mg, "bias is not an initializer")
-            self.repad(n, 2, 0, mp, np.arange(mg))
-        self.record(n, "out_channels", mg, mp, _flops(spatial, cin * mg * kernel), _flops(spatial, cin * mp * kernel))
-        self.pad_output(n, 0, 1 - r, mp, np.arange(mg))
+        bias = n.input[2] if len(n.input) > 2 else ""
+        if bias and bias not in self.inits:
+            return self.leave(n, "out_channels", m, "bias is not an initializer")
+        self.repad(n, 1, w_axis, mp, np.arange(m))
+        if bias:
+            self.repad(n, 2, 0, mp, np.arange(m))
+        self.record(n, "out_channels", m, mp, _flops(spatial, m * per_channel), _flops(spatial, mp * per_channel))
+        self.pad_output(n, 0, 1 - r, mp, np.arange(m))
 
     def _gemm_like(self, n, ins, k_axis_a, b_k_axis, b_n_axis, bias_index):
         """Shared by Gemm and MatMul: absorb a padded K, pad N. b_*_axis index the 2-D weight."""
