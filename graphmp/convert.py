@@ -12,13 +12,11 @@ import json
 import os
 import time
 
-import onnx
-
 from . import __version__
 from .context import FLOAT, Ctx, Options
 from .errors import GraphmpError
-from .io import (CONVERT_MARK, TWO_GB, check_writable, iter_graphs, is_external, load_model, materialize,
-                 model_weight_bytes, save_model, tensor_nbytes)
+from .io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model,
+                 save_model, tensor_nbytes)
 from .ops import LOW_TYPES
 from .passes import apply, calibrate, classify, paint, prepare, types
 from .passes.apply import to_low
@@ -125,18 +123,7 @@ def convert(src, dst=None, *, target: str = "fp16", keep_io_types: bool = True, 
                 __import__("re").compile(rx)
             except Exception as e:
                 raise GraphmpError(f"{flag} '{rx}' is not a valid regular expression ({e})") from None
-    if isinstance(src, onnx.ModelProto):
-        model = onnx.ModelProto()
-        model.CopyFrom(src)
-        path, base_dir = "<model>", None
-    else:
-        path = os.fspath(src)
-        if dst is not None:
-            check_writable(os.fspath(dst), path)
-        model = load_model(path)
-        base_dir = os.path.dirname(os.path.abspath(path))
-    if dst is not None:
-        check_writable(os.fspath(dst), None)
+    model, path, base_dir = open_model(src, dst)
     had_external = any(is_external(t) for g in iter_graphs(model.graph) for t in g.initializer)
     ctx = Ctx(model=model, options=opts, path=path, base_dir=base_dir)
     report = {"graphmp_version": __version__, "source": path, "output": os.fspath(dst) if dst else None,

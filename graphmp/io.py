@@ -132,6 +132,25 @@ def check_writable(out_path: str, src_path: str | None):
 CONVERT_MARK = "graphmp:convert-to:"
 
 
+def open_model(src, dst=None):
+    """(model, path, base_dir) for a path (loaded without external data) or a ModelProto
+    (copied; the caller's stays untouched). Checks first that `dst`, if given, can be
+    written and is not the input."""
+    if isinstance(src, onnx.ModelProto):
+        model = onnx.ModelProto()
+        model.CopyFrom(src)
+        path, base_dir = "<model>", None
+    else:
+        path = os.fspath(src)
+        if dst is not None:
+            check_writable(os.fspath(dst), path)
+        model = load_model(path)
+        base_dir = os.path.dirname(os.path.abspath(path))
+    if dst is not None:
+        check_writable(os.fspath(dst), None)
+    return model, path, base_dir
+
+
 def materialize(t: TensorProto, src_dir: str | None, convert_fn) -> None:
     """Bring an external tensor inline, applying a deferred conversion (marked in
     doc_string by the apply pass) on the way."""

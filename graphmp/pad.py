@@ -16,7 +16,7 @@ import onnx
 
 from . import __version__
 from .errors import GraphmpError
-from .io import check_writable, is_external, iter_graphs, load_model, materialize, model_weight_bytes, save_model
+from .io import is_external, iter_graphs, load_model, materialize, model_weight_bytes, open_model, save_model
 from .ir import Names, name_nodes
 from .passes.pad_channels import pad_channels
 from .passes.prepare import constants_to_initializers, initializers_out_of_inputs
@@ -93,16 +93,7 @@ def pad(src, dst=None, *, multiple: int = 8, stem: str = "auto", max_overhead: f
     `report.model`. validate: run ONNX Runtime on the original and the padded model with
     the same generated inputs and record the max abs difference per output."""
     t0 = time.perf_counter()
-    if isinstance(src, onnx.ModelProto):
-        model = onnx.ModelProto()
-        model.CopyFrom(src)
-        path, base_dir = "<model>", None
-    else:
-        path = os.fspath(src)
-        if dst is not None:
-            check_writable(os.fspath(dst), path)
-        model = load_model(path)
-        base_dir = os.path.dirname(os.path.abspath(path))
+    model, path, base_dir = open_model(src, dst)
     rep = pad_model(model, base_dir, multiple, stem, max_overhead)
     rep.update(source=path, output=os.fspath(dst) if dst is not None else None)
     had_external = any(is_external(t) for g in iter_graphs(model.graph) for t in g.initializer)
