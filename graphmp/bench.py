@@ -80,7 +80,7 @@ import onnx
 from . import __version__
 from .check import check, compare
 from .errors import GraphmpError
-from .io import load_model, model_weight_bytes, write_json
+from .io import atomic_write, load_model, model_weight_bytes, write_json
 from .oracle import DEFAULT_DIM, input_specs, load_feeds, make_inputs, ort_session, run_ort
 from .progress import Progress
 
@@ -467,9 +467,8 @@ class BenchResult:
         fig.suptitle(f"{os.path.basename(self.data['model']['path'])} on {self.data['environment']['device']}\n"
                      "bar labels: speedup vs FP32 strict (latency where there is no FP32 row)", fontsize=9)
         fig.tight_layout()
-        tmp = f"{path}.tmp-{os.getpid()}.png"
-        fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, path)
+        with atomic_write(path) as f:
+            fig.savefig(f, format="png", dpi=100)
         return path
 
 

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -251,10 +252,35 @@ def save_model(model: onnx.ModelProto, out_path: str, src_dir: str | None, conve
                 pass
 
 
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "wb"):
+    """Open a temporary file next to `path`; on success fsync it and rename it over
+    `path`, on error remove it. Readers never see a half-written file."""
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".graphmp-", suffix=".tmp", dir=d)
+    _public(fd)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def write_json(path: str, data) -> None:
-    """Write JSON atomically (a temporary file renamed over the target)."""
+    """Write JSON atomically."""
     import json
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    with atomic_write(path, "w") as f:
         json.dump(data, f, indent=2, default=str)
-    os.replace(tmp, path)
+
+
+def save_npz(path: str, arrays: dict) -> None:
+    """np.savez, atomically."""
+    with atomic_write(path) as f:
+        np.savez(f, **arrays)

@@ -37,7 +37,7 @@ import time
 import numpy as np
 
 from .errors import GraphmpError
-from .io import load_model
+from .io import atomic_write, load_model
 
 INSTALL_HINT = ("Install it with pip install 'graphmp[gpu]' (or pip install tensorrt); it needs an NVIDIA GPU "
                 "and driver (without one, graphmp bench --backends ort-cpu still runs).")
@@ -91,16 +91,10 @@ def parse_shapes(spec) -> dict:
 
 
 def _write_bytes(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
+        with atomic_write(path) as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     except OSError as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
         raise GraphmpError(f"{path}: could not write ({e.strerror or e}). Check the folder and free space.") from None
 
 

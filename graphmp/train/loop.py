@@ -34,10 +34,10 @@ import onnx
 from onnx import numpy_helper
 
 from ..errors import GraphmpError
-from ..io import check_writable, save_model, write_json
+from ..io import check_writable, save_model, save_npz, write_json
 from ..oracle import ort_session
 from ..progress import Progress
-from .step import NEXT, SCALE, STEP, save_npz
+from .step import NEXT, SCALE, STEP
 
 CHECKPOINT = "checkpoint.json"
 

@@ -41,14 +41,13 @@ import copy
 import itertools
 import os
 import re
-import tempfile
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GraphmpError
-from ..io import iter_graphs, load_model, save_model, tensor_array, write_json
+from ..io import iter_graphs, load_model, save_model, save_npz, tensor_array, write_json
 from ..passes.prepare import default_opset, initializers_out_of_inputs
 
 NEXT = "__next"
@@ -158,24 +157,6 @@ def lift_to_inputs(model: onnx.ModelProto, names) -> None:
     keep = [t for t in model.graph.initializer if t.name not in wanted]
     del model.graph.initializer[:]
     model.graph.initializer.extend(keep)
-
-
-def save_npz(path: str, arrays: dict) -> None:
-    """np.savez, atomically (temporary file in the same folder, fsync, rename)."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".graphmp-", suffix=".npz.tmp", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def _save_onnx(model, path):
