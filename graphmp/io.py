@@ -280,6 +280,15 @@ def write_json(path: str, data) -> None:
         json.dump(data, f, indent=2, default=str)
 
 
+def load_npz(path, what: str = ".npz", hint: str = "") -> dict:
+    """All arrays of an .npz by name, or a GraphmpError naming the file."""
+    try:
+        with np.load(os.fspath(path)) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError) as e:
+        raise GraphmpError(f"{path}: not a readable {what} ({e}).{hint}") from None
+
+
 def save_npz(path: str, arrays: dict) -> None:
     """np.savez, atomically."""
     with atomic_write(path) as f:

@@ -17,7 +17,7 @@ from onnx import TensorProto
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
-from .errors import GraphmpError
+from .io import load_npz
 
 DEFAULT_DIM = 16
 
@@ -84,12 +84,7 @@ def make_inputs(model, seed: int = 0, batch: int = 1, dim: int = DEFAULT_DIM) ->
 
 def load_feeds(path) -> list[dict]:
     """One batch of named inputs from an .npz (one array per model input)."""
-    try:
-        with np.load(os.fspath(path)) as z:
-            return [{k: z[k] for k in z.files}]
-    except (OSError, ValueError) as e:
-        raise GraphmpError(f"{path}: not a readable .npz of inputs ({e}). Save one with "
-                           "numpy.savez(path, **{input_name: array}).") from None
+    return [load_npz(path, ".npz of inputs", " Save one with numpy.savez(path, **{input_name: array}).")]
 
 
 def ort_session(model, providers=None, base_dir=None, optimize=True):

@@ -34,7 +34,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..errors import GraphmpError
-from ..io import check_writable, save_model, save_npz, write_json
+from ..io import check_writable, load_npz, save_model, save_npz, write_json
 from ..oracle import ort_session
 from ..progress import Progress
 from .step import NEXT, SCALE, STEP
@@ -63,14 +63,6 @@ def load_run(run_dir) -> dict:
     return meta
 
 
-def _read_npz(path) -> dict:
-    try:
-        with np.load(path) as z:
-            return {k: z[k] for k in z.files}
-    except (OSError, ValueError) as e:
-        raise GraphmpError(f"{path}: not a readable .npz ({e}).") from None
-
-
 def latest_state(run_dir) -> tuple[dict, dict | None]:
     """(state arrays, checkpoint info or None): the last checkpoint, else the initial state."""
     run_dir = os.fspath(run_dir)
@@ -79,8 +71,8 @@ def latest_state(run_dir) -> tuple[dict, dict | None]:
     if os.path.isfile(ck_path):
         with open(ck_path) as f:
             ck = json.load(f)
-        return _read_npz(os.path.join(run_dir, ck["state_file"])), ck
-    return _read_npz(os.path.join(run_dir, meta["initial_state"])), None
+        return load_npz(os.path.join(run_dir, ck["state_file"])), ck
+    return load_npz(os.path.join(run_dir, meta["initial_state"])), None
 
 
 def _save_checkpoint(run_dir, state: dict, info: dict):
@@ -148,7 +140,7 @@ class _Dataset:
     """Arrays with samples on the first axis, batched in a seeded order per epoch."""
 
     def __init__(self, data, meta, where):
-        arrays = _read_npz(os.fspath(data)) if isinstance(data, (str, os.PathLike)) else dict(data)
+        arrays = load_npz(os.fspath(data)) if isinstance(data, (str, os.PathLike)) else dict(data)
         self.arrays = _conform(arrays, meta, where, batched=False)
         self.n = next(iter(self.arrays.values())).shape[0]
         self.where = where
@@ -370,7 +362,7 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
     if isinstance(src, _Dataset) and nb == 0:
         raise GraphmpError(f"{where}: {src.n} samples, fewer than one batch of {batch_size}; lower batch_size.")
 
-    state, ck = latest_state(run_dir) if resume else (_read_npz(os.path.join(run_dir, meta["initial_state"])), None)
+    state, ck = latest_state(run_dir) if resume else (load_npz(os.path.join(run_dir, meta["initial_state"])), None)
     setup = {"batch_size": batch_size, "seed": seed, "drop_last": drop_last, "samples": getattr(src, "n", None)}
     pos = {"step": 0, "epoch": 0, "position": 0, "skipped": 0}
     if ck is not None:
