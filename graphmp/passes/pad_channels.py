@@ -166,7 +166,7 @@ class Padder:
             self.replaced.add(old)
         return name
 
-    def repad(self, n, i, axis, size, real, fill=0.0, suffix="pad"):
+    def repad(self, n, i, axis, size, real, fill=0.0):
         """Replace constant input i of node n by its copy scattered along `axis`."""
         old = n.input[i]
         if old not in self.inits:  # a Transpose/Reshape of a weight: folded into the copy
@@ -176,7 +176,7 @@ class Padder:
                 self.replaced.add(p.input[0])  # dropped at the end if nothing else reads it
         key = (old, axis, size, np.asarray(real).tobytes(), fill)
         if key not in self.copies:  # a weight shared by several layers is padded once
-            self.copies[key] = self.new_init(f"{old}.{suffix}{size}",
+            self.copies[key] = self.new_init(f"{old}.pad{size}",
                                              scatter(self.const_value(old), axis, size, real, fill),
                                              old if old in self.inits else None)
         n.input[i] = self.copies[key]
@@ -632,7 +632,7 @@ class Padder:
         self.use(n, 0)
         self.pad_output(n, 0, -1, outer * lay.size * inner, real)
 
-    def _axes(self, n, k):
+    def _axes(self, n):
         v = self.attr(n, "axes")
         if v is None and len(n.input) > 1 and n.input[1]:
             v = self.const_value(n.input[1])
@@ -640,7 +640,7 @@ class Padder:
 
     def on_Squeeze(self, idx, n, ins):
         lay, r = ins[0], self.rank(n.input[0])
-        axes = self._axes(n, 1)
+        axes = self._axes(n)
         if lay is None or r is None or axes is None:
             return
         axes = [a % r for a in axes]
@@ -652,7 +652,7 @@ class Padder:
 
     def on_Unsqueeze(self, idx, n, ins):
         lay, r = ins[0], self.rank(n.input[0])
-        axes = self._axes(n, 1)
+        axes = self._axes(n)
         if lay is None or r is None or axes is None:
             return
         ro = r + len(axes)
