@@ -181,13 +181,22 @@ class Graph:
             protos.append(p)
         self.proto.ClearField("node")
         self.proto.node.extend(protos)
-        # re-point wrappers at the stored protos so later edits land in the model
-        for n, p in zip(self.nodes, self.proto.node):
+        self._rebind(self.proto)
+
+    def _rebind(self, proto: GraphProto):
+        """Point this graph, its nodes, initializers and subgraphs (recursively) at the
+        protos stored in the model. Protobuf copies messages on insertion, so without
+        this an edit after write_back (a converted subgraph weight, a rewired input)
+        would land on a detached copy and silently vanish."""
+        self.proto = proto
+        self.initializers = {t.name: t for t in proto.initializer}
+        for n, p in zip(self.nodes, proto.node):
             n.proto = p
             subs = iter(n.subgraphs)
             for a in p.attribute:
                 for g in attr_graphs(a):
-                    next(subs).proto = g
+                    next(subs)._rebind(g)
+        self.invalidate()
 
 
 class Names:
