@@ -127,6 +127,37 @@ MODELS: dict[str, dict] = {
         "member": "openwakeword/resources/models/hey_mycroft_v0.1.onnx",
         "arch": "wake-word classifier with 2 LSTM nodes (Keras)",
     },
+    "silero_vad": {
+        "kind": "wheel", "package": "silero-vad==6.2.3", "license": "MIT",
+        "member": "silero_vad/data/silero_vad.onnx",
+        "arch": "Silero VAD v5/6: every weight a Constant inside If branches (sr==16000 picks "
+                "16 kHz, else 8 kHz), LSTM in nested If, STFT by Conv; input [?,?] f32, "
+                "state [2,?,128] f32, sr i64 scalar",
+    },
+    "ppocrv4_det": {
+        "kind": "wheel", "package": "rapidocr-onnxruntime==1.4.4", "license": "Apache-2.0",
+        "member": "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
+        "arch": "PP-OCRv4 text detector (DB): dynamic N/H/W, stride-32 FPN (H, W multiples "
+                "of 32), weights as Constant nodes",
+    },
+    "aecmos_gru": {
+        "kind": "wheel", "package": "speechmos==0.0.1.1", "license": "MIT",
+        "member": "speechmos/aecmos_models/Run_1663829550_Stage_0.onnx",
+        "arch": "AECMOS echo-cancellation quality model (2 bidirectional GRU); input "
+                "[batch_size,3,frames,160], h0 [4,1,64] pins batch to 1",
+    },
+    "plcmos_gru": {
+        "kind": "wheel", "package": "speechmos==0.0.1.1", "license": "MIT",
+        "member": "speechmos/plcmos_models/plcmos_v2.onnx",
+        "arch": "PLCMOS v2 (2 bidirectional GRU); degraded_audio [batch_size,1,frames,257], "
+                "rater_embed [batch_size,64]",
+    },
+    "dnsmos_sig_bak_ovr": {
+        "kind": "wheel", "package": "speechmos==0.0.1.1", "license": "MIT",
+        "member": "speechmos/dnsmos_models/sig_bak_ovr.onnx",
+        "arch": "DNSMOS P.835 (keras2onnx): STFT by Conv, log power, CNN; raw waveform "
+                "input [N,144160]",
+    },
 }
 
 
