@@ -133,13 +133,13 @@ def _import_graphmp():
 
 # --------------------------------------------------------------------------- oracle
 def _oracle_funcs():
-    """(make_inputs, run_reference, run_ort, impl) - graphmp.oracle when it imports,
-    else equivalent local code."""
+    """(make_inputs, run_reference, run_ort, impl) - graphmp's when it imports, else
+    equivalent local code. make_inputs(model, seed, batch, shapes, path)."""
     try:
         _import_graphmp()
-        from graphmp.oracle import make_inputs, run_ort, run_reference
+        from graphmp.oracle import run_ort, run_reference
 
-        return make_inputs, run_reference, run_ort, "graphmp.oracle"
+        return _graphmp_make_inputs, run_reference, run_ort, "graphmp.oracle"
     except Exception:  # noqa: BLE001
         return _local_make_inputs, _local_run_reference, _local_run_ort, "local"
 
@@ -152,11 +152,22 @@ def _load(model_or_path, external=True):
     return model_or_path
 
 
-def _local_make_inputs(model, seed=0, batch=1):
+def _graphmp_make_inputs(model, seed=0, batch=1, shapes=None, path=None):
+    """graphmp's input mechanism: --shapes, else shapes found by a trial run."""
+    from graphmp.inputs import find_shapes
+    from graphmp.oracle import runner
+
+    plan = find_shapes(model, runner(path or model), shapes)
+    return plan.feeds(seed, batch=batch if plan.batch_free and batch != 1 else None)
+
+
+def _local_make_inputs(model, seed=0, batch=1, shapes=None, path=None):
     import numpy as np
     import onnx
 
     model = _load(model, external=False)
+    if shapes:
+        model = _with_input_shapes(model, shapes)
     rng = np.random.default_rng(seed)
     inits = {t.name for t in model.graph.initializer}
     feeds = {}
@@ -426,8 +437,13 @@ def worker_convert(tool, src, dst, options):
     _emit(res)
 
 
-def _fix_input_shapes(model, shapes: dict):
-    """Set the declared dims of the named graph inputs (in memory) so make_inputs uses them."""
+def _with_input_shapes(model, shapes: dict):
+    """A copy with the declared dims of the named graph inputs set (for the local inputs)."""
+    import onnx
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    model = copy
     for inp in model.graph.input:
         if inp.name in shapes:
             dims = inp.type.tensor_type.shape.dim
@@ -437,6 +453,7 @@ def _fix_input_shapes(model, shapes: dict):
             for d, v in zip(dims, want):
                 d.Clear()
                 d.dim_value = int(v)
+    return model
 
 
 def worker_ref(src, workdir, seed, shapes=None):
@@ -451,13 +468,8 @@ def worker_ref(src, workdir, seed, shapes=None):
         m = onnx.load(src, load_external_data=False)
         res["nodes"] = classify_nodes(m)
         if shapes:
-            mi = onnx.ModelProto()
-            mi.CopyFrom(m)
-            _fix_input_shapes(mi, shapes)
             res["input_shape_overrides"] = shapes
-        else:
-            mi = m
-        feeds = make_inputs(mi, seed=seed, batch=1)
+        feeds = make_inputs(m, seed=seed, batch=1, shapes=shapes, path=src)
         _save_npz(workdir / "inputs.npz", feeds)
         res["inputs"] = {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in feeds.items()}
         res["opset"] = {(o.domain or "ai.onnx"): o.version for o in m.opset_import}

@@ -29,7 +29,8 @@ def one(path: str) -> dict:
 
     import graphmp
     from graphmp.check import check
-    from graphmp.oracle import run_ort, make_inputs
+    from graphmp.inputs import find_shapes
+    from graphmp.oracle import runner
     row = {"model": os.path.relpath(path, ROOT)}
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "out.onnx")
@@ -43,8 +44,8 @@ def one(path: str) -> dict:
         row["weights_mb"] = round(rep["weight_bytes_before"] / 1e6, 2)
         row["weights_mb_after"] = round(rep["weight_bytes_after"] / 1e6, 2)
         onnx.checker.check_model(out, full_check=True)
-        feeds = make_inputs(onnx.load(path, load_external_data=False))
-        run_ort(out, feeds)  # loads and runs in ORT
+        feeds = find_shapes(onnx.load(path, load_external_data=False), runner(path)).feeds()
+        runner(out)(feeds)  # loads and runs in ORT
         row["ort_loads"] = True
         t = time.perf_counter()
         res = check(path, out, data=feeds)

@@ -41,7 +41,7 @@ JSON schema (schema_version 1; `BenchResult.to_dict()`, `graphmp bench --json`):
                   cudnn: {source: version}, tensorrt, onnxruntime, onnxruntime_package,
                   onnx, numpy, torch, onnxconverter_common, graphmp, python, platform,
                   command, timestamp}                      (null where not available)
-    settings: {backends, precisions, batches, data, dim, seed, warmup, iterations,
+    settings: {backends, precisions, batches, data, shapes, inputs, seed, warmup, iterations,
                min_time_s, rounds, atol, rtol, cudnn_conv_algo_search, compare_occ, oracle_max_mb}
     model: {path, converted_path, conversion: {...}|null, occ_path, fp32_available,
             weight_bytes, inputs: [{name, dtype, shape}], fixed_batch: int|null}
@@ -80,8 +80,10 @@ import onnx
 from . import __version__
 from .check import check, compare
 from .errors import GraphmpError
-from .io import atomic_write, load_model, model_weight_bytes, write_json
-from .oracle import DEFAULT_DIM, input_specs, load_feeds, make_inputs, ort_session, run_ort
+from .inputs import batch_positions, check_feeds, find_shapes, input_specs, rebatch
+from .io import atomic_write, load_model, load_npz, model_weight_bytes, write_json
+from .oracle import ort_session, run_ort
+from .oracle import runner as ort_runner
 from .progress import Progress
 
 SCHEMA_VERSION = 1
@@ -298,21 +300,6 @@ def environment(command: str) -> dict:
 
 # --- inputs -------------------------------------------------------------------------------------
 
-def _fixed_batch(specs):
-    """None when the first axis of the inputs is symbolic (batch can change); else the fixed size."""
-    firsts = [dims[0] for _, _, dims in specs if dims]
-    if any(not (isinstance(d, int) and d > 0) for d in firsts):
-        return None
-    return firsts[0] if firsts else 1
-
-
-def _rebatch(x: np.ndarray, batch: int) -> np.ndarray:
-    """First axis repeated or sliced to `batch` rows."""
-    if x.ndim == 0:
-        return x
-    return np.take(x, np.arange(batch) % x.shape[0], axis=0)
-
-
 # --- models -------------------------------------------------------------------------------------
 
 def _save(model: onnx.ModelProto, path: str):
@@ -508,7 +495,7 @@ def _accuracy(ref: dict, got: dict, atol, rtol) -> dict:
 
 
 def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=None, batches=(1,), data=None,
-          dim: int = DEFAULT_DIM, seed: int = 0, warmup: int = 10, iterations: int = 50, min_time: float = 1.0,
+          shapes=None, seed: int = 0, warmup: int = 10, iterations: int = 50, min_time: float = 1.0,
           rounds: int = 5,
           compare_occ: bool = False, cudnn_conv_algo_search: str = "EXHAUSTIVE", timing_cache=None,
           workspace_mb: int | None = None, atol: float = 1e-2, rtol: float = 1e-2, oracle_max_mb: float = 50.0,
@@ -518,9 +505,11 @@ def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=
 
     converted: a converted model to use for the fp16 rows instead of converting `model`.
     backends / precisions: names or 'a,b' strings (default: all; occ only with compare_occ).
-    batches: sizes of the first (symbolic) input axis; fixed-batch models run their own batch.
-    data: an .npz of inputs (first axis repeated/sliced to each batch); default: generated
-      by graphmp.oracle.make_inputs (seed, other symbolic dims = dim).
+    batches: sizes of the batch dims (graphmp.inputs.batch_positions); a model whose batch
+      cannot change runs its own batch, with a note.
+    data: an .npz of inputs (batch dims repeated/cut to each batch, other inputs as given);
+      default: generated inputs (seed), dynamic dims from `shapes` ('x:1x3x640x640,...')
+      or a trial run (graphmp.inputs.find_shapes).
     keep: a folder to keep the converted models and engines in (default: a temporary one).
     """
     if command is None:
@@ -540,7 +529,8 @@ def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=
     if converted is not None:
         load_model(os.fspath(converted))
     if data is not None:
-        base_feeds = load_feeds(data)[0]
+        base_feeds = load_npz(data, ".npz of model inputs", " Save one with numpy.savez(path, **{input_name: array}).")
+        check_feeds(input_specs(graph), base_feeds, os.fspath(data))
 
     tmp = None
     if keep is None:
@@ -551,7 +541,7 @@ def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=
         os.makedirs(work, exist_ok=True)
     try:
         return _run(path, graph, converted, backends, precisions, batches, data,
-                    base_feeds if data is not None else None, dim, seed, warmup, iterations, min_time, rounds,
+                    base_feeds if data is not None else None, shapes, seed, warmup, iterations, min_time, rounds,
                     compare_occ, cudnn_conv_algo_search, timing_cache, workspace_mb, atol, rtol,
                     oracle_max_mb, work, keep is not None, command, progress)
     finally:
@@ -559,7 +549,7 @@ def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=
             tmp.cleanup()
 
 
-def _run(path, graph, converted, backends, precisions, batches, data, base_feeds, dim, seed, warmup, iterations,
+def _run(path, graph, converted, backends, precisions, batches, data, base_feeds, shapes, seed, warmup, iterations,
          min_time, rounds, compare_occ, cudnn_search, timing_cache, workspace_mb, atol, rtol, oracle_max_mb, work,
          kept, command, progress):
     notes = []
@@ -593,23 +583,28 @@ def _run(path, graph, converted, backends, precisions, batches, data, base_feeds
             occ_error = f"onnxconverter-common: {type(e).__name__}: {str(e)[:200]}"
 
     specs = input_specs(graph)
-    fixed = _fixed_batch(specs)
-    if fixed is not None:
+    if base_feeds is not None:
+        positions = batch_positions(specs)
+        own = {base_feeds[n].shape[a] for n, a in positions} or {1}
+        inputs_text = f"{os.fspath(data)} (batch dims: {', '.join(f'{n}[{a}]' for n, a in positions) or 'none'})"
+    else:
+        plan = find_shapes(graph, ort_runner(models["fp32"] or models["fp16"]), shapes, where=path)
+        positions = plan.batch_dims
+        own = {1}
+        inputs_text = f"generated: {plan.describe()} (shapes {plan.how})"
+    if not positions:
         asked = batches
-        batches = [fixed]
-        if asked != [fixed]:
-            notes.append(f"the model's inputs have a fixed first dim ({fixed}): the batch cannot change, so batch "
-                         f"{fixed} ran instead of {','.join(map(str, asked))}")
+        batches = sorted(own)[:1]
+        if asked != batches:
+            notes.append(f"the batch cannot change in this model (fixed batch dims, or a state input pins it): "
+                         f"batch {batches[0]} ran instead of {','.join(map(str, asked))}")
 
     def feeds_for(batch):
         if base_feeds is not None:
-            return {k: (_rebatch(v, batch) if fixed is None else v) for k, v in base_feeds.items()}
-        return make_inputs(graph, seed=seed, batch=batch, dim=dim)
+            return rebatch({s.name: base_feeds[s.name] for s in specs}, positions, batch)
+        return plan.feeds(seed, batch=batch if positions else None)
 
     feeds = {b: feeds_for(b) for b in batches}
-    missing = [n for n, _, _ in specs if n not in feeds[batches[0]]]
-    if missing:
-        raise GraphmpError(f"{data}: no array for model inputs {missing}; the .npz needs one array per input")
     ref_cache = {}
 
     def reference(batch):
@@ -688,13 +683,15 @@ def _run(path, graph, converted, backends, precisions, batches, data, base_feeds
                 r[key] = ref["latency_ms"]["median"] / r["latency_ms"]["median"]
 
     weight_bytes = model_weight_bytes(graph)  # from dims and dtypes: external weights are not read
-    oracle = _oracle(models, precisions, feeds[batches[0]], weight_bytes / 1e6, oracle_max_mb, atol, rtol, occ_error)
+    oracle = _oracle(models, precisions, rebatch(feeds[batches[0]], positions, 1), 1 if positions else batches[0],
+                     weight_bytes / 1e6, oracle_max_mb, atol, rtol, occ_error)
     notes += _notes(backends, status, cudnn_search, atol, rtol)
     data_out = {
         "schema_version": SCHEMA_VERSION,
         "environment": environment(command),
         "settings": {"backends": backends, "precisions": precisions, "batches": batches,
-                     "data": os.fspath(data) if data is not None else None, "dim": dim, "seed": seed,
+                     "data": os.fspath(data) if data is not None else None, "shapes": shapes,
+                     "inputs": inputs_text, "seed": seed,
                      "warmup": warmup, "iterations": iterations, "min_time_s": min_time, "rounds": rounds,
                      "atol": atol, "rtol": rtol,
                      "cudnn_conv_algo_search": cudnn_search, "compare_occ": compare_occ,
@@ -704,9 +701,9 @@ def _run(path, graph, converted, backends, precisions, batches, data, base_feeds
                   "conversion": conversion, "occ_path": models.get("occ") if kept else None,
                   "kept_in": work if kept else None, "fp32_available": models["fp32"] is not None,
                   "weight_bytes": weight_bytes,
-                  "inputs": [{"name": n, "dtype": onnx.helper.tensor_dtype_to_np_dtype(e).name if e else None,
-                              "shape": d} for n, e, d in specs],
-                  "fixed_batch": fixed},
+                  "inputs": [{"name": s.name, "dtype": s.dtype.name if s.elem else None, "shape": s.dims}
+                             for s in specs],
+                  "fixed_batch": None if positions else batches[0]},
         "backends": status, "rows": rows, "oracle": oracle, "notes": notes,
     }
     return BenchResult(_clean(data_out))
@@ -796,11 +793,10 @@ def _time_group(live, rounds, iterations, min_time, bar):
             bar.update(1)
 
 
-def _oracle(models, precisions, feeds, size_mb, max_mb, atol, rtol, occ_error):
-    """FP16-faithful check of each mixed model on the first sample of the smallest batch."""
+def _oracle(models, precisions, one, batch, size_mb, max_mb, atol, rtol, occ_error):
+    """FP16-faithful check of each mixed model on `one` (one sample of the smallest batch,
+    or the model's own batch where it cannot change)."""
     out = []
-    one = {k: (v[:1] if v.ndim else v) for k, v in feeds.items()}
-    batch = next((v.shape[0] for v in one.values() if v.ndim), 1)
     for p in (p for p in ("fp16", "occ") if p in precisions):
         entry = {"precision": p, "batch": batch, "status": "ok", "reason": None, "oracle": None, "passed": None,
                  "max_abs": None, "max_rel": None, "argmax_agree": None, "nonfinite": None}

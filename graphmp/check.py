@@ -1,10 +1,17 @@
-"""graphmp.check: accuracy of a converted model against its FP32 source.
+"""graphmp.check: is a converted model valid, and how accurate is it against its FP32 source?
 
-The FP32 reference runs in ONNX Runtime (CPU). The converted model runs in the
-FP16-faithful oracle (onnx.reference: every op in its declared dtype) and, where a
-GPU is present, in ONNX Runtime CUDA. The oracle is trusted only where it reproduces
-ONNX Runtime on the FP32 source; otherwise the report says so and falls back to
-ONNX Runtime CPU (which hides FP16 overflow) with a warning.
+1. Validity first: the full onnx.checker (strict shape and type inference) and an
+   ONNX Runtime session on the converted model. A failure of either is a FAIL with
+   their message, and no numbers are compared: a model that ONNX Runtime refuses is
+   never reported as passing. (Where the FP32 source itself fails the full checker,
+   the converted model is held to the basic checker instead, and the report says so.)
+2. Accuracy: the FP32 source runs in ONNX Runtime (CPU); the converted model runs in
+   the FP16-faithful oracle (onnx.reference: every op in its declared dtype) and, where
+   a GPU is present, in ONNX Runtime CUDA. The oracle is trusted only where it
+   reproduces ONNX Runtime on the FP32 source; otherwise the report says so and falls
+   back to ONNX Runtime CPU (which hides FP16 overflow) with a warning.
+Inputs: the user's data (checked against the model's inputs), or generated inputs whose
+shapes come from --shapes or graphmp.inputs.find_shapes.
 """
 from __future__ import annotations
 
@@ -14,8 +21,9 @@ import numpy as np
 import onnx
 
 from .errors import GraphmpError
-from .io import load_model
-from .oracle import cuda_available, load_feeds, make_inputs, run_ort, run_reference
+from .inputs import check_feeds, find_shapes, input_specs
+from .io import load_model, load_npz
+from .oracle import cuda_available, run_reference, runner
 
 
 def compare(ref: np.ndarray, got: np.ndarray, atol: float, rtol: float) -> dict:
@@ -27,17 +35,56 @@ def compare(ref: np.ndarray, got: np.ndarray, atol: float, rtol: float) -> dict:
                 "ref_max_abs": 0.0, "nonfinite": 0, "argmax_agree": None, "passed": same}
     r = ref.astype(np.float64)
     g = got.astype(np.float64)
+    if r.shape != g.shape:
+        return {"max_abs": float("inf"), "max_rel": float("inf"), "ref_max_abs": 0.0, "nonfinite": 0,
+                "argmax_agree": None, "passed": False, "shape_mismatch": [list(r.shape), list(g.shape)]}
     new_nonfinite = int(np.count_nonzero(~np.isfinite(g) & np.isfinite(r)))
     ok = np.isfinite(r) & np.isfinite(g)
     diff = np.abs(g - r)[ok]
     rel = diff / np.maximum(np.abs(r[ok]), atol)
     agree = None
-    if r.ndim >= 1 and r.shape[-1] > 1 and r.size:
+    if r.ndim in (2, 3) and r.shape[-1] > 1 and r.size:  # class scores [N, C] / [N, T, V], not image maps
         agree = float(np.mean(np.argmax(r, axis=-1) == np.argmax(np.nan_to_num(g), axis=-1)))
     passed = new_nonfinite == 0 and bool(np.all(diff <= atol + rtol * np.abs(r[ok])))
     return {"max_abs": float(diff.max()) if diff.size else 0.0, "max_rel": float(rel.max()) if rel.size else 0.0,
             "ref_max_abs": float(np.abs(r[ok]).max()) if ok.any() else 0.0,
             "nonfinite": new_nonfinite, "argmax_agree": agree, "passed": passed}
+
+
+def _first_line(e) -> str:
+    lines = [x for x in str(e).strip().splitlines() if x.strip()]
+    return (lines[0] if lines else type(e).__name__)[:300]
+
+
+def _full_check(model) -> str | None:
+    try:
+        onnx.checker.check_model(model if isinstance(model, onnx.ModelProto) else os.fspath(model), full_check=True)
+        return None
+    except Exception as e:  # noqa: BLE001 - checker raises ValidationError / InferenceError / ...
+        return _first_line(e)
+
+
+def validity(converted, reference=None) -> dict:
+    """{"valid", "checker", "ort", "note"}: the full checker and an ONNX Runtime CPU
+    session on `converted` (path or ModelProto)."""
+    out = {"checker": "ok", "ort": "ok", "note": None}
+    err = _full_check(converted)
+    if err and reference is not None and _full_check(reference):
+        out["note"] = ("the FP32 source fails the full checker too; the converted model was held to the "
+                       "basic checker")
+        try:
+            onnx.checker.check_model(converted if isinstance(converted, onnx.ModelProto) else os.fspath(converted))
+            err = None
+        except Exception as e:  # noqa: BLE001
+            err = _first_line(e)
+    if err:
+        out["checker"] = err
+    try:
+        runner(converted)
+    except Exception as e:  # noqa: BLE001 - any load failure means "ORT refuses it"
+        out["ort"] = _first_line(e)
+    out["valid"] = out["checker"] == "ok" and out["ort"] == "ok"
+    return out
 
 
 class CheckReport:
@@ -59,64 +106,100 @@ class CheckReport:
         d = self.data
         lines = [f"{d['converted']} vs {d['reference']} ({d['oracle']}): {'PASS' if d['passed'] else 'FAIL'}"
                  f" (atol {d['atol']}, rtol {d['rtol']})"]
+        v = d["validity"]
+        if not v["valid"]:
+            lines.append(f"  INVALID: onnx.checker: {v['checker']}; ONNX Runtime: {v['ort']}")
+        if d.get("inputs"):
+            lines.append(f"  inputs: {d['inputs']}")
         for name, o in d["outputs"].items():
             lines.append(f"  {name}: max abs {o['max_abs']:.4g}  max rel {o['max_rel']:.4g}"
                          + (f"  argmax agree {o['argmax_agree']:.4f}" if o["argmax_agree"] is not None else "")
                          + (f"  NON-FINITE x{o['nonfinite']}" if o["nonfinite"] else ""))
-        for w in d["warnings"]:
+        for w in d["warnings"] + ([v["note"]] if v.get("note") else []):
             lines.append(f"  warning: {w}")
         return "\n".join(lines)
 
 
-def check(ref, converted, data=None, atol: float = 1e-2, rtol: float = 1e-2, seed: int = 0) -> CheckReport:
-    """Compare `converted` against the FP32 `ref` (paths or ModelProtos) on `data`
-    (an .npz path, a dict of inputs, a list of them, or None for generated inputs)."""
-    def _load(m):
-        if isinstance(m, onnx.ModelProto):
-            return m
-        return load_model(m)  # graph only (clear errors for bad files); weights stay on disk
-
-    def _full(m):  # the oracle needs the weights in memory
-        return m if isinstance(m, onnx.ModelProto) else onnx.load(os.fspath(m))
-    # ONNX Runtime reads paths itself (models over 2 GB cannot be serialized in memory)
-    ref_m, conv_m = ref, converted
-    ref_graph = _load(ref)
-    _load(converted)
+def _batches(ref, data, shapes, seed, run_ref):
+    """[(feeds, description)] from the user's data or generated inputs."""
+    specs = input_specs(ref)
     if data is None:
-        batches = [make_inputs(ref_graph, seed=seed)]
-    elif isinstance(data, dict):
-        batches = [data]
-    elif isinstance(data, (str, os.PathLike)):
-        batches = load_feeds(data)
-    else:
-        batches = list(data)
+        plan = find_shapes(ref, run_ref, shapes, where="check")
+        return [plan.feeds(seed)], f"generated ({plan.describe()}; shapes {plan.how})"
+    items = [data] if isinstance(data, (str, os.PathLike, dict)) else list(data)
+    if not items:
+        raise GraphmpError("check: no data batches given")
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, (str, os.PathLike)):
+            source = os.fspath(item)
+            arrays = load_npz(source, ".npz of model inputs",
+                              " Save one with numpy.savez(path, **{input_name: array}).")
+        else:
+            source, arrays = f"data batch {i}", dict(item)
+        check_feeds(specs, arrays, source)
+        out.append({s.name: arrays[s.name] for s in specs})
+    return out, f"{len(out)} batch(es) of user data"
+
+
+def check(ref, converted, data=None, *, shapes=None, atol: float = 1e-2, rtol: float = 1e-2,
+          seed: int = 0) -> CheckReport:
+    """Compare `converted` against the FP32 `ref` (paths or ModelProtos) on `data` (an
+    .npz path, a dict of inputs, a list of them, or None for generated inputs whose
+    dynamic dims come from `shapes` ('x:1x3x640x640,...') or a trial run)."""
+    ref_graph = ref if isinstance(ref, onnx.ModelProto) else load_model(ref)  # clear errors for bad files
+    if not isinstance(converted, onnx.ModelProto):
+        load_model(converted)
+    names = {"reference": str(ref) if not isinstance(ref, onnx.ModelProto) else "<model>",
+             "converted": str(converted) if not isinstance(converted, onnx.ModelProto) else "<model>",
+             "atol": atol, "rtol": rtol}
+    valid = validity(converted, ref)
+    if not valid["valid"]:
+        return CheckReport(dict(names, oracle="not run: the converted model is invalid", batches=0, outputs={},
+                                passed=False, warnings=[], validity=valid, inputs=None))
+    try:
+        run_ref = runner(ref)
+    except Exception as e:  # noqa: BLE001
+        raise GraphmpError(f"{names['reference']}: ONNX Runtime cannot load the FP32 reference ({_first_line(e)})") from None
+    batches, described = _batches(ref_graph, data, shapes, seed, run_ref)
+    run_conv = runner(converted)
+    run_cuda = None
     warnings = []
+    if cuda_available():
+        try:
+            run_cuda = runner(converted, providers=["CUDAExecutionProvider"])
+            if "CUDAExecutionProvider" not in run_cuda.session.get_providers():
+                warnings.append("ORT CUDA was asked for but the session runs on "
+                                f"{run_cuda.session.get_providers()[0]}: no CUDA row")
+                run_cuda = None
+        except Exception as e:  # noqa: BLE001
+            warnings.append(f"ORT CUDA could not load the model: {_first_line(e)}")
+
+    def full(m):  # the oracle needs the weights in memory
+        return m if isinstance(m, onnx.ModelProto) else onnx.load(os.fspath(m))
     oracle = "onnx.reference (FP16-faithful)"
     outputs: dict = {}
     for feeds in batches:
-        want = run_ort(ref_m, feeds)
+        want = run_ref(feeds)
         try:
-            self_check = run_reference(_full(ref_m), feeds)
+            self_check = run_reference(full(ref), feeds)
             trusted = all(compare(want[k], self_check[k], 1e-4, 1e-3)["passed"] for k in want)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the reference evaluator lacks some ops/shapes
             trusted = False
-            warnings.append(f"the reference evaluator cannot run the FP32 source ({str(e)[:120]})")
+            warnings.append(f"the reference evaluator cannot run the FP32 source ({_first_line(e)[:120]})")
         if trusted:
-            got = run_reference(_full(conv_m), feeds)
+            got = run_reference(full(converted), feeds)
         else:
             oracle = "onnxruntime CPU (NOT FP16-faithful: the oracle disagreed with ORT on the FP32 source)"
             warnings.append("oracle not trusted on this model; ORT CPU computes most FP16 ops in FP32 and can hide overflow")
-            got = run_ort(conv_m, feeds)
-        if cuda_available():
-            try:
-                cuda = run_ort(conv_m, feeds, providers=["CUDAExecutionProvider"])
-                for k in want:
-                    outputs.setdefault(k + " [ORT CUDA]", []).append(compare(want[k], cuda[k], atol, rtol))
-            except Exception as e:
-                warnings.append(f"ORT CUDA run failed: {str(e)[:120]}")
+            got = run_conv(feeds)
+        if run_cuda is not None:
+            cuda = run_cuda(feeds)
+            for k in want:
+                outputs.setdefault(k + " [ORT CUDA]", []).append(compare(want[k], cuda[k], atol, rtol))
         for k in want:
             if k not in got:
-                raise GraphmpError(f"{converted}: output '{k}' of the reference is missing from the converted model")
+                raise GraphmpError(f"{names['converted']}: output '{k}' of the reference is missing from the converted model")
             outputs.setdefault(k, []).append(compare(want[k], got[k], atol, rtol))
     merged = {}
     for k, rows in outputs.items():
@@ -126,8 +209,6 @@ def check(ref, converted, data=None, atol: float = 1e-2, rtol: float = 1e-2, see
                      "nonfinite": sum(r["nonfinite"] for r in rows),
                      "argmax_agree": float(np.mean(agrees)) if agrees else None,
                      "passed": all(r["passed"] for r in rows)}
-    return CheckReport({"reference": str(ref) if not isinstance(ref, onnx.ModelProto) else "<model>",
-                        "converted": str(converted) if not isinstance(converted, onnx.ModelProto) else "<model>",
-                        "oracle": oracle, "atol": atol, "rtol": rtol, "batches": len(batches),
-                        "outputs": merged, "passed": all(o["passed"] for o in merged.values()),
-                        "warnings": warnings})
+    return CheckReport(dict(names, oracle=oracle, batches=len(batches), inputs=described, outputs=merged,
+                            passed=all(o["passed"] for o in merged.values()), warnings=list(dict.fromkeys(warnings)),
+                            validity=valid))

@@ -8,7 +8,7 @@ import sys
 
 from . import __version__
 from .errors import GraphmpError
-from .io import write_json
+from .io import check_writable, write_json
 
 EPILOG_CONVERT = """\
 how precision is chosen:
@@ -32,6 +32,20 @@ def _csv(s):
     return tuple(x for x in s.split(",") if x)
 
 
+SHAPES_HELP = ("input shapes for generated inputs, trtexec syntax: x:1x3x640x640,mask:1x640 (only inputs with "
+               "dynamic dims need one). Default: graphmp tries plausible sizes and uses the first that runs")
+
+
+def _add_shapes(p):
+    p.add_argument("--shapes", metavar="NAME:DIMS,...", help=SHAPES_HELP)
+
+
+def _writable(path, what):
+    """Fail before long work when an output file cannot be written (nothing is written)."""
+    if path:
+        check_writable(path, None)
+
+
 def _add_convert(sub):
     c = sub.add_parser("convert", help="FP32 -> mixed precision (FP16 compute, FP32 islands)",
                        description="Rewrite an FP32 ONNX model to mixed precision by inserting Casts. "
@@ -50,7 +64,8 @@ def _add_convert(sub):
                    "(wins over the defaults, where the op has a low-precision form)")
     c.add_argument("--calibration", nargs="+", metavar="NPZ", help="input batches (.npz, one array per "
                    "model input) for the range check; default: generated inputs")
-    c.add_argument("--no-calibration", action="store_true", help="skip the calibration run")
+    c.add_argument("--no-calibration", action="store_true", help="skip the calibration run (no range check)")
+    _add_shapes(c)
     c.add_argument("--range-threshold", type=float, default=512.0,
                    help="keep nodes FP32 whose |values| exceed this in calibration (default 512)")
     c.add_argument("--external-data", dest="external_data", action="store_true", default=None,
@@ -74,7 +89,9 @@ def _add_check(sub):
                        "output. Exit 1 when the error exceeds --atol/--rtol.")
     k.add_argument("reference", help="FP32 source .onnx")
     k.add_argument("converted", help="converted .onnx")
-    k.add_argument("--data", metavar="NPZ", help="inputs (.npz, one array per model input); default: generated")
+    k.add_argument("--data", metavar="NPZ", nargs="+", help="inputs (.npz, one array per model input; several "
+                   "files = several batches); default: generated")
+    _add_shapes(k)
     k.add_argument("--atol", type=float, default=1e-2)
     k.add_argument("--rtol", type=float, default=1e-2)
     k.add_argument("--json", metavar="PATH", help="write the result as JSON")
@@ -83,17 +100,24 @@ def _add_check(sub):
 def _run_convert(args) -> int:
     from .convert import convert
     out = args.output or os.path.splitext(args.model)[0] + ".mp.onnx"
+    if args.no_calibration and args.calibration:
+        raise GraphmpError("--calibration and --no-calibration contradict each other; give one")
+    _writable(args.report, "--report")
     cal = "off" if args.no_calibration else args.calibration
     rep = convert(args.model, out, target=args.target, keep_io_types=args.keep_io_types,
                   fp32_ops=args.fp32_ops, fp32_nodes=args.fp32_nodes, fp16_nodes=args.fp16_nodes,
-                  calibration=cal, range_threshold=args.range_threshold,
+                  calibration=cal, shapes=args.shapes, range_threshold=args.range_threshold,
                   external_data=args.external_data, validate=args.validate, atol=args.atol,
                   rtol=args.rtol, verbose=not args.quiet, pad_channels=args.pad_channels)
     if args.report:
         write_json(args.report, rep.to_dict())
     if not args.quiet:
         print(rep.summary())
-    if args.validate and not rep.to_dict()["validation"]["passed"]:
+    d = rep.to_dict()
+    if args.validate and "validation" not in d:
+        print(f"graphmp: --validate skipped: {d.get('validation_skipped', 'nothing was converted')}", file=sys.stderr)
+        return 0
+    if args.validate and not d["validation"]["passed"]:
         print(f"graphmp: validation FAILED for {out} (atol {args.atol}, rtol {args.rtol}); "
               "see the per-output errors above. Try --fp32-nodes for the offending layers "
               "or --calibration with real data.", file=sys.stderr)
@@ -138,14 +162,16 @@ def _add_pad(sub):
     c.add_argument("--validate", action="store_true", help="run ONNX Runtime on both models with the same "
                    "inputs; exit 1 if outputs differ by more than --atol or change shape")
     c.add_argument("--atol", type=float, default=1e-4)
+    _add_shapes(c)
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
 
 
 def _run_pad(args) -> int:
     from .pad import pad
     out = args.output or os.path.splitext(args.model)[0] + ".pad.onnx"
+    _writable(args.report, "--report")
     rep = pad(args.model, out, multiple=args.multiple, stem=args.stem, max_overhead=args.max_overhead,
-              external_data=args.external_data, validate=args.validate)
+              external_data=args.external_data, validate=args.validate, shapes=args.shapes)
     if args.report:
         write_json(args.report, rep.to_dict())
     if not args.quiet:
@@ -153,8 +179,13 @@ def _run_pad(args) -> int:
         print(rep.summary())
     if args.validate:
         v = rep["validation"]
+        if not v["validity"]["valid"]:
+            print(f"graphmp: validation FAILED for {out}: the padded model is invalid (onnx.checker: "
+                  f"{v['validity']['checker']}; ONNX Runtime: {v['validity']['ort']}). Please report this model.",
+                  file=sys.stderr)
+            return 1
         if not args.quiet:
-            print(f"  validation: max abs difference {v['max_abs']:.3g}, output shapes "
+            print(f"  validation on {v['inputs']}: max abs difference {v['max_abs']:.3g}, output shapes "
                   f"{'unchanged' if v['shapes_unchanged'] else 'CHANGED'}")
         if v["max_abs"] > args.atol or not v["shapes_unchanged"]:
             print(f"graphmp: validation FAILED for {out}: outputs differ by {v['max_abs']:.3g} "
@@ -165,7 +196,8 @@ def _run_pad(args) -> int:
 
 def _run_check(args) -> int:
     from .check import check
-    rep = check(args.reference, args.converted, data=args.data, atol=args.atol, rtol=args.rtol)
+    _writable(args.json, "--json")
+    rep = check(args.reference, args.converted, data=args.data, shapes=args.shapes, atol=args.atol, rtol=args.rtol)
     if args.json:
         write_json(args.json, rep.to_dict())
     print(rep.summary())
@@ -238,6 +270,7 @@ def _add_train_graph(sub):
     t.add_argument("--trainable", metavar="REGEX", help="train only the initializers whose name matches")
     t.add_argument("--calibration", nargs="+", metavar="NPZ", help="(mixed) input batches for the convert "
                    "range check, one array per model input; default: a generated batch")
+    _add_shapes(t)
 
 
 def _add_train(sub):
@@ -276,7 +309,8 @@ def _run_train_graph(args) -> int:
                       loss_scale=args.loss_scale, init_scale=args.init_scale,
                       growth_interval=args.growth_interval, backoff=args.backoff, growth=args.growth,
                       min_scale=args.min_scale, max_scale=args.max_scale, precision=args.precision,
-                      output=args.model_output, trainable=args.trainable, calibration=args.calibration)
+                      output=args.model_output, trainable=args.trainable, calibration=args.calibration,
+                      shapes=args.shapes)
     print(f"{args.output}: step graph for {len(meta['weights'])} trainable tensors "
           f"({meta['config']['precision']}, {meta['config']['optimizer']}, loss scale "
           f"{meta['config']['loss_scale']}); inputs {list(meta['inputs'])} + '{meta['label']['name']}' "
@@ -406,8 +440,7 @@ def _add_bench(sub):
                    "(symbolic) input axis (default 1); a fixed-batch model runs its own batch")
     b.add_argument("--data", metavar="NPZ", help="inputs (.npz, one array per input); the first axis is "
                    "repeated/sliced to each batch. Default: generated (seeded) inputs")
-    b.add_argument("--dim", type=int, default=16, help="size of other symbolic dims (e.g. sequence) for "
-                   "generated inputs (default 16)")
+    _add_shapes(b)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
     b.add_argument("--iterations", type=int, default=50, help="at least this many timed steps (default 50)")
@@ -435,7 +468,7 @@ def _add_bench(sub):
 def _run_bench(args) -> int:
     from .bench import bench
     res = bench(args.model, converted=args.converted, backends=args.backends, precisions=args.precisions,
-                batches=args.batch, data=args.data, dim=args.dim, seed=args.seed, warmup=args.warmup,
+                batches=args.batch, data=args.data, shapes=args.shapes, seed=args.seed, warmup=args.warmup,
                 iterations=args.iterations, min_time=args.min_time, rounds=args.rounds, compare_occ=args.compare_occ,
                 cudnn_conv_algo_search=args.cudnn_conv_algo_search, timing_cache=args.timing_cache,
                 workspace_mb=args.workspace, atol=args.atol, rtol=args.rtol, oracle_max_mb=args.oracle_max_mb,
@@ -445,6 +478,10 @@ def _run_bench(args) -> int:
     if args.plot:
         res.plot(args.plot)
     print(res.table())
+    if not any(r["status"] == "ok" for r in res.rows):
+        print("graphmp: no benchmark row finished (each failed or its backend was skipped; see the table). "
+              "Check --shapes / --data, or the backends' notes above.", file=sys.stderr)
+        return 1
     return 0
 
 

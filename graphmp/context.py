@@ -2,27 +2,68 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
 
 from onnx import TensorProto
 
+from .errors import GraphmpError
 from .ir import Graph, Names
-from .ops import LOW_TYPES
+from .ops import LOW_TYPES, PAD_MULTIPLES
 
 
 @dataclass
 class Options:
+    """Everything `graphmp.convert` can be asked (the CLI flags of `graphmp convert`)."""
     target: str = "fp16"
     keep_io_types: bool = True
     fp32_ops: tuple = ()
     fp32_nodes: str | None = None
     fp16_nodes: str | None = None
     calibration: object = None          # None/"auto", "off", path(s) or list of feed dicts
+    shapes: object = None               # --shapes for generated calibration/validation inputs
     range_threshold: float = 512.0
     external_data: bool | None = None
+    pad_channels: int | None = None
+    validate: bool = False
+    atol: float = 1e-2
+    rtol: float = 1e-2
     verbose: bool = False
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> "Options":
+        """Options from keyword arguments, each checked: a bad value is a GraphmpError
+        that names the flag and what it accepts."""
+        names = set(cls.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"convert() got unknown option(s) {unknown}; options: {sorted(names)}")
+        o = cls(**kwargs)
+        o.fp32_ops = tuple(o.fp32_ops or ())
+        if o.target not in LOW_TYPES:
+            raise GraphmpError(f"--target must be one of {', '.join(sorted(LOW_TYPES))}, not '{o.target}'")
+        if not (isinstance(o.range_threshold, (int, float)) and o.range_threshold > 0):
+            raise GraphmpError(f"--range-threshold must be a positive number (the |x| above which a node "
+                               f"stays FP32; default 512), not {o.range_threshold}")
+        for flag, v in (("--atol", o.atol), ("--rtol", o.rtol)):
+            if not (isinstance(v, (int, float)) and v >= 0):
+                raise GraphmpError(f"{flag} must be a number >= 0, not {v}")
+        if o.pad_channels is not None:
+            if o.pad_channels not in PAD_MULTIPLES:
+                raise GraphmpError(f"--pad-channels must be one of {', '.join(map(str, PAD_MULTIPLES))} "
+                                   f"(8 for FP16 Tensor Cores, 64 for A100/H100 tiles), not {o.pad_channels}")
+        for flag, rx in (("--fp32-nodes", o.fp32_nodes), ("--fp16-nodes", o.fp16_nodes)):
+            if rx:
+                try:
+                    re.compile(rx)
+                except re.error as e:
+                    raise GraphmpError(f"{flag} '{rx}' is not a valid regular expression ({e})") from None
+        if o.shapes is not None:
+            from .inputs import parse_shapes
+            o.shapes = parse_shapes(o.shapes)
+        return o
 
     @property
     def low(self) -> int:
@@ -47,7 +88,7 @@ class Ctx:
     root: Graph | None = None
     names: Names | None = None
     types: dict = field(default_factory=dict)      # graph key -> {tensor: elem_type}
-    ranges: dict = field(default_factory=dict)     # tensor -> max |x| over calibration (main graph)
+    ranges: dict = field(default_factory=dict)     # (graph key, tensor) -> max |x| over calibration
     info: dict = field(default_factory=dict)       # id(node) -> NodeInfo
     lowered: set = field(default_factory=set)      # id(node) of nodes running in low precision
     report: dict = field(default_factory=dict)

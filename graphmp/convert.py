@@ -1,9 +1,8 @@
 """graphmp.convert: FP32 ONNX -> mixed precision, as a pipeline of passes.
 
-    load -> prepare -> types -> drop redundant Casts -> calibrate -> classify -> paint
-         -> apply -> sort -> save (atomic, streaming external data)
-
-Each pass lives in graphmp/passes/ and documents what it guarantees.
+The pipeline is PIPELINE below; each pass lives in graphmp/passes/ and says in its
+docstring what it needs and what it guarantees. Around it: load (the input is never
+modified), the report, and an atomic, streaming save.
 """
 from __future__ import annotations
 
@@ -17,11 +16,50 @@ from .context import FLOAT, Ctx, Options
 from .errors import GraphmpError
 from .io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model,
                  save_model, tensor_nbytes)
-from .ops import LOW_TYPES
 from .passes import apply, calibrate, classify, paint, prepare, types
 from .passes.apply import to_low
 
 MARK_KEY = "graphmp"
+
+
+def _sort(ctx):
+    """Every graph topologically sorted (outer-scope captures count as inputs) and
+    written back into the model."""
+    for g in ctx.root.walk():
+        g.toposort(ctx.path)
+    ctx.root.write_back()
+    return None
+
+
+# (report key, pass). A pass's details go into the report under its key (None: top level).
+PIPELINE = [
+    ("prepare", prepare.run),                        # opset >= 7, constants, names, sorted; the IR
+    ("types", types.run),                            # element type of every tensor
+    ("prepare", prepare.run_drop_redundant_casts),   # no-op and round-trip Casts of the source
+    ("calibration", calibrate.run),                  # max |x| of every float tensor (FP32 runs)
+    ("classify", classify.run),                      # op class; why a node must stay FP32
+    ("paint", paint.run),                            # which nodes run in the low type
+    (None, apply.run),                               # Casts, converted weights
+    ("sort", _sort),                                 # topological order, written back
+]
+
+
+def run_pipeline(ctx, steps=PIPELINE) -> dict:
+    """Run the passes in order; returns {pass name: seconds}."""
+    timings = {}
+    for key, step in steps:
+        name = step.__module__.rsplit(".", 1)[-1] + "." + step.__name__ if key != "sort" else "sort"
+        ctx.log(name)
+        t = time.perf_counter()
+        res = step(ctx)
+        timings[name] = round(time.perf_counter() - t, 4)
+        if res is not None and res.details:
+            target = ctx.report if key is None else ctx.report.setdefault(key, {})
+            target.update(res.details)
+        if step is types.run and not any(t == FLOAT for d in ctx.types.values() for t in d.values()) \
+                and not ctx.options.fp32_nodes:
+            raise GraphmpError(f"{ctx.path}: the model has no FP32 tensors, so there is nothing to convert.")
+    return timings
 
 
 class ConvertReport:
@@ -51,7 +89,7 @@ class ConvertReport:
             f"  nodes: {n['low']} {d['target']}, {n['fp32']} fp32, {n['other']} non-float; "
             f"{d['casts_added']} Casts added",
             f"  weights: {d['weight_bytes_before'] / 1e6:.2f} MB -> {d['weight_bytes_after'] / 1e6:.2f} MB",
-            f"  calibration: {d['calibration']['source']}",
+            f"  calibration: {_calibration_line(d['calibration'])}",
         ]
         if d["fp32_by_reason"]:
             lines.append("  kept FP32:")
@@ -68,7 +106,11 @@ class ConvertReport:
             lines.append(f"  warning: {w}")
         if "validation" in d:
             v = d["validation"]
-            lines.append(f"  validation ({v['oracle']}): {'PASS' if v['passed'] else 'FAIL'}")
+            lines.append(f"  validation ({v['oracle']}): {'PASS' if v['passed'] else 'FAIL'}"
+                         + (f" on {v['inputs']}" if v.get("inputs") else ""))
+            if not v["validity"]["valid"]:
+                lines.append(f"    INVALID: onnx.checker: {v['validity']['checker']}; "
+                             f"ONNX Runtime: {v['validity']['ort']}")
             for name, o in v["outputs"].items():
                 lines.append(f"    {name}: max abs {o['max_abs']:.3g}, max rel {o['max_rel']:.3g}"
                              + (f", argmax agree {o['argmax_agree']:.4f}" if o.get("argmax_agree") is not None else "")
@@ -77,11 +119,22 @@ class ConvertReport:
         return "\n".join(lines)
 
 
+def _calibration_line(c: dict) -> str:
+    if not c.get("batches"):
+        return c["source"]
+    n = c["batches"]
+    how = f"; shapes {c['shapes_found']}" if c.get("shapes_found") else ""
+    return (f"{c['source']}, {n} batch{'es' if n > 1 else ''} ({'; '.join(c['shapes'])}{how}), "
+            f"{c['tensors_observed']} tensors observed")
+
+
 def _reason_group(reason: str) -> str:
     if reason.startswith("range:"):
         return "range: values above the threshold in calibration"
     if reason.startswith("initializer"):
         return "initializer values out of the low-precision range"
+    if reason.startswith("INT8 Q/DQ"):
+        return "INT8 Q/DQ op (kept for the INT8 fusion)"
     if reason.startswith("FP32 spread"):
         return "FP32 spread from an FP32 neighbour"
     if reason.endswith("(FP32 op class)"):
@@ -100,74 +153,99 @@ def _convert_fn(arr, elem):
     return to_low(arr, elem)
 
 
-def convert(src, dst=None, *, target: str = "fp16", keep_io_types: bool = True, fp32_ops=(),
-            fp32_nodes: str | None = None, fp16_nodes: str | None = None, calibration=None,
-            range_threshold: float = 512.0, external_data: bool | None = None, validate: bool = False,
-            atol: float = 1e-2, rtol: float = 1e-2, verbose: bool = False,
-            pad_channels: int | None = None) -> ConvertReport:
+def _check_op_names(ops, model, where):
+    """--fp32-ops must name ops of this model or of ONNX (a typo would silently do nothing)."""
+    if not ops:
+        return
+    import difflib
+
+    from onnx import defs
+    known = {n.op_type for g in iter_graphs(model.graph) for n in g.node} | {s.name for s in defs.get_all_schemas()}
+    for op in ops:
+        if op not in known:
+            close = difflib.get_close_matches(op, sorted(known), n=1)
+            raise GraphmpError(f"{where}: --fp32-ops '{op}' is not an op of this model or of ONNX"
+                               + (f" (did you mean {close[0]}?)" if close else "") + "; op names are case-sensitive")
+
+
+def convert(src, dst=None, **options) -> ConvertReport:
     """Convert an FP32 ONNX model (path or ModelProto) to mixed precision.
 
     dst: output path (written atomically; the input is never touched) or None to get
-    the model back in `report.model`. See `graphmp convert --help` for the options.
-    pad_channels: first pad channels/GEMM dims to multiples of this (graphmp.pad).
+    the model back in `report.model`. Options (graphmp.context.Options; the flags of
+    `graphmp convert --help`): target, keep_io_types, fp32_ops, fp32_nodes, fp16_nodes,
+    calibration (None: generated inputs; "off"; .npz path(s) or dicts of arrays),
+    shapes (NAME:DIMS,... for generated inputs), range_threshold, external_data,
+    pad_channels, validate, atol, rtol, verbose.
     """
     t0 = time.perf_counter()
-    if target not in LOW_TYPES:
-        raise GraphmpError(f"target must be one of {sorted(LOW_TYPES)}, not '{target}'")
-    opts = Options(target=target, keep_io_types=keep_io_types, fp32_ops=tuple(fp32_ops or ()),
-                   fp32_nodes=fp32_nodes, fp16_nodes=fp16_nodes, calibration=calibration,
-                   range_threshold=float(range_threshold), external_data=external_data, verbose=verbose)
-    for flag, rx in (("--fp32-nodes", fp32_nodes), ("--fp16-nodes", fp16_nodes)):
-        if rx:
-            try:
-                __import__("re").compile(rx)
-            except Exception as e:
-                raise GraphmpError(f"{flag} '{rx}' is not a valid regular expression ({e})") from None
+    opts = Options.from_kwargs(options)
     model, path, base_dir = open_model(src, dst)
+    _check_op_names(opts.fp32_ops, model, path)
     had_external = any(is_external(t) for g in iter_graphs(model.graph) for t in g.initializer)
     ctx = Ctx(model=model, options=opts, path=path, base_dir=base_dir)
     report = {"graphmp_version": __version__, "source": path, "output": os.fspath(dst) if dst else None,
-              "target": target, "keep_io_types": keep_io_types}
+              "target": opts.target, "keep_io_types": opts.keep_io_types}
     ctx.report = report
 
     mark = {p.key: p.value for p in model.metadata_props}.get(MARK_KEY)
     if mark is not None:
         report.update(already_converted=mark, seconds=time.perf_counter() - t0)
+        if opts.validate:
+            report["validation_skipped"] = ("the input is already converted; compare it with its FP32 source: "
+                                            f"graphmp check FP32_SOURCE.onnx {path}")
         if dst is not None:
             save_model(model, os.fspath(dst), base_dir, _convert_fn,
-                       external_data if external_data is not None else had_external)
+                       opts.external_data if opts.external_data is not None else had_external)
             return ConvertReport(report)
         return ConvertReport(report, model)
 
     ctx.log(f"loaded {path}: {len(model.graph.node)} nodes")
-    if pad_channels:
+    if opts.pad_channels:
         from .pad import pad_model
-        report["padding"] = pad_model(model, base_dir, pad_channels)
-        ctx.log(f"padded {len(report['padding']['padded'])} layer dims to multiples of {pad_channels}")
-    prepare.build(ctx)
+        report["padding"] = pad_model(model, base_dir, opts.pad_channels)
+        ctx.log(f"padded {len(report['padding']['padded'])} layer dims to multiples of {opts.pad_channels}")
+    report["timings"] = run_pipeline(ctx)
     model = ctx.model
-    report["weight_bytes_before"] = model_weight_bytes(model)  # Constant nodes counted as weights
-    types.infer_types(ctx)
-    if not any(t == FLOAT for d in ctx.types.values() for t in d.values()):
-        raise GraphmpError(f"{path}: the model has no FP32 tensors, so there is nothing to convert.")
-    report["prepare"]["redundant_casts_removed"] = prepare.drop_redundant_casts(ctx, ctx.type_of)
-    ctx.log("calibrating")
-    calibrate.calibrate(ctx)
-    ctx.log("classifying and painting")
-    classify.classify(ctx)
-    paint.paint(ctx)
-    ctx.log("placing Casts")
-    original_nodes = [(g, n) for g, n in ctx.nodes()]
-    apply.apply(ctx)
-    for g in ctx.root.walk():
-        g.toposort(path)
-    ctx.root.write_back()
+    report["weight_bytes_before"] = report["prepare"]["weight_bytes"]  # Constant nodes counted as weights
+    _report_nodes(ctx)
+    report["weight_bytes_after"] = model_weight_bytes(model) - _deferred_bytes(model)
+    report["warnings"] = ctx.warnings
+    meta = model.metadata_props.add()
+    meta.key, meta.value = MARK_KEY, json.dumps({"version": __version__, "target": opts.target,
+                                                 "keep_io_types": opts.keep_io_types})
 
-    # --- report -----------------------------------------------------------------
+    if dst is None:
+        for g in iter_graphs(model.graph):
+            for t in g.initializer:
+                materialize(t, base_dir, _convert_fn)
+        report["seconds"] = time.perf_counter() - t0
+        if opts.validate:
+            _validate(report, src, model, opts)
+        return ConvertReport(report, model)
+
+    ext = opts.external_data
+    if ext is None:
+        ext = had_external or report["weight_bytes_after"] > int(TWO_GB * 0.9)
+    report["external_data"] = bool(ext)
+    ctx.log(f"writing {dst}{' with external data' if ext else ''}")
+    save_model(model, os.fspath(dst), base_dir, _convert_fn, bool(ext),
+               progress=(lambda i, n: ctx.log(f"  tensor {i}/{n}")) if opts.verbose else None)
+    report["seconds"] = time.perf_counter() - t0
+    if opts.validate:
+        _validate(report, path, os.fspath(dst), opts)
+    return ConvertReport(report)
+
+
+def _report_nodes(ctx):
+    """Counts of low/FP32/other nodes of the source and, for every FP32 node, why.
+    (The source's nodes are those classify judged; Casts added later have no entry.)"""
     counts = collections.Counter()
     fp32_nodes = []
-    for g, n in original_nodes:
-        info = ctx.info[id(n)]
+    for g, n in ctx.nodes():
+        info = ctx.info.get(id(n))
+        if info is None:
+            continue
         if info.cls == "none" or (info.cls == "fixed" and not info.reason):
             counts["other"] += 1
         elif id(n) in ctx.lowered:
@@ -176,43 +254,21 @@ def convert(src, dst=None, *, target: str = "fp16", keep_io_types: bool = True, 
             counts["fp32"] += 1
             fp32_nodes.append({"name": n.name, "op_type": n.op_type, "graph": g.key,
                                "reason": info.reason or "stays in its FP32 region (an FP32 operand, or no fp16 neighbour)"})
-    report["nodes"] = {"low": counts["low"], "fp32": counts["fp32"], "other": counts["other"],
-                       "total": len(original_nodes)}
-    report["fp32_nodes"] = fp32_nodes
-    report["fp32_by_reason"] = dict(collections.Counter(_reason_group(e["reason"]) for e in fp32_nodes).most_common())
-    report["weight_bytes_after"] = model_weight_bytes(model) - _deferred_bytes(model)
-    report["warnings"] = ctx.warnings
-    meta = model.metadata_props.add()
-    meta.key, meta.value = MARK_KEY, json.dumps({"version": __version__, "target": target,
-                                                 "keep_io_types": keep_io_types})
-
-    if dst is None:
-        for g in iter_graphs(model.graph):
-            for t in g.initializer:
-                materialize(t, base_dir, _convert_fn)
-        report["seconds"] = time.perf_counter() - t0
-        if validate:
-            _validate(report, src, model, calibration, atol, rtol)
-        return ConvertReport(report, model)
-
-    ext = external_data
-    if ext is None:
-        ext = had_external or report["weight_bytes_after"] > int(TWO_GB * 0.9)
-    report["external_data"] = bool(ext)
-    ctx.log(f"writing {dst}{' with external data' if ext else ''}")
-    save_model(model, os.fspath(dst), base_dir, _convert_fn, bool(ext),
-               progress=(lambda i, n: ctx.log(f"  tensor {i}/{n}")) if verbose else None)
-    report["seconds"] = time.perf_counter() - t0
-    if validate:
-        _validate(report, path, os.fspath(dst), calibration, atol, rtol)
-    return ConvertReport(report)
+    ctx.report["nodes"] = {"low": counts["low"], "fp32": counts["fp32"], "other": counts["other"],
+                           "total": sum(counts.values())}
+    ctx.report["fp32_nodes"] = fp32_nodes
+    ctx.report["fp32_by_reason"] = dict(collections.Counter(_reason_group(e["reason"]) for e in fp32_nodes).most_common())
 
 
-def _validate(report, ref, converted, calibration, atol, rtol):
+def _validate(report, ref, converted, opts):
+    """check() on the calibration data when the user gave some, else on generated
+    inputs of the same shapes."""
     from .check import check
+    cal = opts.calibration
     data = None
-    if isinstance(calibration, (str, os.PathLike)):
-        data = calibration
-    elif isinstance(calibration, (list, tuple)) and calibration and calibration[0] != "auto":
-        data = calibration[0] if isinstance(calibration[0], (str, os.PathLike, dict)) else None
-    report["validation"] = check(ref, converted, data=data, atol=atol, rtol=rtol).to_dict()
+    if isinstance(cal, (str, os.PathLike, dict)):
+        data = cal
+    elif isinstance(cal, (list, tuple)) and cal and cal[0] not in ("auto", "off"):
+        data = cal[0]
+    report["validation"] = check(ref, converted, data=data, shapes=opts.shapes, atol=opts.atol,
+                                 rtol=opts.rtol).to_dict()

@@ -46,6 +46,8 @@ FIXED_OPS = frozenset({
     "RandomNormalLike", "RandomUniformLike", "EyeLike", "Bernoulli", "Multinomial",
     "If", "Loop", "Scan", "SequenceConstruct", "SequenceAt", "SequenceInsert", "SplitToSequence",
     "ConcatFromSequence", "Optional", "OptionalGetElement",
+    # quantization boundaries: their float side is the quantizer's choice, never retyped
+    "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear",
 })
 
 # Inputs that stay in their original type even when the node runs in FP16
@@ -57,6 +59,8 @@ KEEP_INPUTS = {
 }
 
 LOW_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
+# Channel/GEMM padding multiples graphmp accepts (8: FP16 Tensor Cores; 64: A100/H100 tiles).
+PAD_MULTIPLES = (2, 4, 8, 16, 32, 64, 128)
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
 TYPE_STR = {v: f"tensor({k.lower()})" for k, v in TensorProto.DataType.items() if v}
 STR_TYPE = {s: v for v, s in TYPE_STR.items()}

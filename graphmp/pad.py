@@ -18,10 +18,10 @@ from . import __version__
 from .errors import GraphmpError
 from .io import is_external, iter_graphs, load_model, materialize, model_weight_bytes, open_model, save_model
 from .ir import Names, name_nodes
+from .ops import PAD_MULTIPLES as MULTIPLES
 from .passes.pad_channels import pad_channels
 from .passes.prepare import constants_to_initializers, initializers_out_of_inputs
 
-MULTIPLES = (2, 4, 8, 16, 32, 64, 128)
 PAD_KEY = "graphmp.pad"
 
 
@@ -86,12 +86,13 @@ def pad_model(model: onnx.ModelProto, base_dir: str | None, multiple: int, stem:
 
 
 def pad(src, dst=None, *, multiple: int = 8, stem: str = "auto", max_overhead: float = 0.5,
-        external_data: bool | None = None, validate: bool = False, seed: int = 0) -> PadReport:
+        external_data: bool | None = None, validate: bool = False, shapes=None, seed: int = 0) -> PadReport:
     """Pad Conv channels and GEMM dimensions of `src` (path or ModelProto) to `multiple`.
 
     dst: output path (atomic; the input is never touched) or None to get the model in
-    `report.model`. validate: run ONNX Runtime on the original and the padded model with
-    the same generated inputs and record the max abs difference per output."""
+    `report.model`. validate: check the padded model (full checker, ONNX Runtime load), then
+    run ONNX Runtime on the original and the padded model with the same generated inputs
+    (dynamic dims from `shapes` or a trial run) and record the max abs difference per output."""
     t0 = time.perf_counter()
     model, path, base_dir = open_model(src, dst)
     rep = pad_model(model, base_dir, multiple, stem, max_overhead)
@@ -106,23 +107,32 @@ def pad(src, dst=None, *, multiple: int = 8, stem: str = "auto", max_overhead: f
                 materialize(t, base_dir, None)
         out = model
     if validate:
-        rep["validation"] = validate_padding(src, out, seed)
+        rep["validation"] = validate_padding(src, out, shapes, seed)
     rep["seconds"] = time.perf_counter() - t0
     return PadReport(rep, None if dst is not None else model)
 
 
-def validate_padding(ref, padded, seed: int = 0) -> dict:
-    """ONNX Runtime outputs of the original and the padded model on the same inputs."""
-    from .oracle import make_inputs, run_ort
+def validate_padding(ref, padded, shapes=None, seed: int = 0) -> dict:
+    """Validity of the padded model, then ONNX Runtime outputs of the original and the
+    padded model on the same inputs (batch 2 where the model allows it)."""
+    from .check import validity
+    from .inputs import find_shapes
+    from .oracle import runner
+    valid = validity(padded, ref)
+    if not valid["valid"]:
+        return {"validity": valid, "outputs": {}, "shapes_unchanged": False, "max_abs": float("inf"), "inputs": None}
     ref_model = load_model(ref) if isinstance(ref, (str, os.PathLike)) else ref
-    feeds = make_inputs(ref_model, seed=seed, batch=2)
-    a = run_ort(ref, feeds)
-    b = run_ort(padded, feeds)
+    run_ref = runner(ref)
+    plan = find_shapes(ref_model, run_ref, shapes, where="pad --validate")
+    feeds = plan.feeds(seed, batch=2 if plan.batch_free else None)
+    a = run_ref(feeds)
+    b = runner(padded)(feeds)
     outs = {}
     for k, v in a.items():
         w = b[k]
         outs[k] = {"shape_before": list(v.shape), "shape_after": list(w.shape),
                    "max_abs": float(np.max(np.abs(v.astype(np.float64) - w.astype(np.float64)))) if v.size else 0.0,
                    "ref_max_abs": float(np.max(np.abs(v))) if v.size else 0.0}
-    return {"outputs": outs, "shapes_unchanged": all(o["shape_before"] == o["shape_after"] for o in outs.values()),
+    return {"validity": valid, "inputs": plan.describe(2 if plan.batch_free else None), "outputs": outs,
+            "shapes_unchanged": all(o["shape_before"] == o["shape_after"] for o in outs.values()),
             "max_abs": max((o["max_abs"] for o in outs.values()), default=0.0)}

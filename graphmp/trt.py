@@ -31,12 +31,12 @@ TensorRT and PyTorch are imported only when these functions are called.
 from __future__ import annotations
 
 import os
-import re
 import time
 
 import numpy as np
 
 from .errors import GraphmpError
+from .inputs import parse_shapes
 from .io import atomic_write, load_model
 
 INSTALL_HINT = ("Install it with pip install 'graphmp[gpu]' (or pip install tensorrt); it needs an NVIDIA GPU "
@@ -65,29 +65,6 @@ def import_torch_cuda():
         raise GraphmpError("PyTorch sees no CUDA device (torch.cuda.is_available() is False): no NVIDIA GPU, "
                            "no driver, or a CPU-only torch build. TensorRT engines run only on an NVIDIA GPU.")
     return torch
-
-
-_SHAPE = re.compile(r"^\d+(x\d+)*$")
-
-
-def parse_shapes(spec) -> dict:
-    """'input:1x3x224x224,mask:1x128' (trtexec syntax) -> {'input': (1, 3, 224, 224), ...}.
-    Also takes a dict {name: shape} or a list of 'name:shape' strings. A scalar is 'name:'."""
-    if spec is None:
-        return {}
-    if isinstance(spec, dict):
-        return {str(k): tuple(int(d) for d in v) for k, v in spec.items()}
-    items = spec.split(",") if isinstance(spec, str) else [p for s in spec for p in str(s).split(",")]
-    out = {}
-    for item in (i.strip() for i in items):
-        if not item:
-            continue
-        name, sep, dims = item.rpartition(":")
-        if not sep or not name or (dims and not _SHAPE.match(dims)):
-            raise GraphmpError(f"shape '{item}' is not NAME:DIMS with DIMS like 1x3x224x224 "
-                               "(several inputs separated by commas: input_ids:8x128,attention_mask:8x128)")
-        out[name] = tuple(int(d) for d in dims.split("x")) if dims else ()
-    return out
 
 
 def _write_bytes(path: str, data: bytes) -> None:

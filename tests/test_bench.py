@@ -17,7 +17,7 @@ from graphmp.bench import PRECISIONS, latency_stats, timed_loop
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
 from graphmp.oracle import cuda_available
-from graphmp.trt import parse_shapes
+from graphmp.inputs import parse_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESNET = os.path.join(ROOT, "models", "tiny", "resnet.onnx")      # logits [batch, 10], symbolic batch
@@ -48,7 +48,7 @@ def _check_schema(d):
     assert isinstance(env["device"], str) and env["device"] and isinstance(env["command"], str)
     assert env["onnxruntime"] and env["onnx"] and env["numpy"] and env["graphmp"] == graphmp.__version__
     s = d["settings"]
-    for k in ("backends", "precisions", "batches", "data", "dim", "seed", "warmup", "iterations", "min_time_s",
+    for k in ("backends", "precisions", "batches", "data", "shapes", "inputs", "seed", "warmup", "iterations", "min_time_s",
               "rounds", "atol", "rtol", "cudnn_conv_algo_search", "compare_occ", "oracle_max_mb"):
         assert k in s, k
     m = d["model"]
@@ -176,8 +176,8 @@ def test_data_npz_is_rebatched(tmp_path):
     assert row["output_shapes"] == {"logits": [5, 10]} and row["batch"] == 5
     assert d["settings"]["data"] == str(npz)
     # the rows 3 and 4 repeat samples 0 and 1: same inputs, same FP32 outputs
-    from graphmp.bench import _rebatch
-    xb = _rebatch(x, 5)
+    from graphmp.inputs import rebatch
+    xb = rebatch({"pixel_values": x}, [("pixel_values", 0)], 5)["pixel_values"]
     assert xb.shape == (5, 3, 32, 32) and np.array_equal(xb[3], x[0]) and np.array_equal(xb[4], x[1])
 
 

@@ -22,6 +22,17 @@ ORACLE_SLOW = {"style_mosaic", "super_resolution"}
 # ~4% of the output scale there. --fp32-nodes cq_t brings it to 0.3%, but that regex
 # matches 208 of 243 nodes in this tf2onnx export (only 35 stay fp16).
 SCALE_TOL = {"basic_pitch_nmp": 0.05}
+# Conversion always runs with defaults (shapes found by a trial run). The oracle check of
+# these 5-D Conv models at the found 224x224 takes minutes in numpy: it gets --shapes.
+CHECK_SHAPES = {"rivagan_encoder": "frame:1x3x1x64x64,data:1x32", "rivagan_decoder": "frame:1x3x1x64x64"}
+# INT8 Q/DQ models: the quantized ops stay as the quantizer placed them (nothing to lower
+# in a fully quantized net); their outputs must not move.
+QDQ = {"super_resolution_qdq"}
+
+
+def _float_weight_bytes(model):
+    return sum(onnx.numpy_helper.to_array(t).nbytes for t in model.graph.initializer
+               if t.data_type == onnx.TensorProto.FLOAT)
 
 
 def _name(p):
@@ -39,22 +50,31 @@ def test_real_model_converts_and_matches(path, tmp_path):
     src = onnx.load(path)
     assert [(o.name, o.type.tensor_type.elem_type) for o in conv.graph.output] == \
         [(o.name, o.type.tensor_type.elem_type) for o in src.graph.output]
-    assert d["nodes"]["low"] > 0
-    assert d["weight_bytes_after"] < d["weight_bytes_before"]
+    assert d["nodes"]["low"] > 0 or _name(path) in QDQ
+    assert d["calibration"]["batches"] >= 1 and d["calibration"]["tensors_observed"] > 0, d["calibration"]
+    if _float_weight_bytes(src) > 0.1 * d["weight_bytes_before"]:
+        assert d["weight_bytes_after"] < d["weight_bytes_before"]
+    else:  # INT8 Q/DQ: the weights are integers already; only scales are float
+        assert d["weight_bytes_after"] <= d["weight_bytes_before"]
     if _name(path) in ORACLE_SLOW:
-        from graphmp.oracle import make_inputs, run_ort
-        feeds = make_inputs(src)
-        a, b = run_ort(path, feeds), run_ort(out, feeds)
+        from graphmp.inputs import find_shapes
+        from graphmp.oracle import runner
+        run_src, run_out = runner(path), runner(out)
+        feeds = find_shapes(src, run_src).feeds()
+        a, b = run_src(feeds), run_out(feeds)
         for k in a:
             scale = float(np.abs(a[k]).max())
             assert np.isfinite(b[k]).all()
             assert float(np.abs(a[k] - b[k]).max()) <= 0.02 * scale + 1e-2, k
         return
-    res = check(path, out)
+    res = check(path, out, shapes=CHECK_SHAPES.get(_name(path)))
+    assert res.data["validity"]["valid"], res.data["validity"]
     for name, o in res.outputs.items():
         assert o["nonfinite"] == 0, name
         # FP16 keeps ~3 significant digits; detector/regression heads are judged
         # against their output scale, classifiers also by argmax.
         assert o["max_abs"] <= SCALE_TOL.get(_name(path), 0.01) * o["ref_max_abs"] + 1e-2, (name, o)
+        if _name(path) in QDQ:
+            assert o["max_abs"] <= 1e-6 * o["ref_max_abs"], (name, o)
         if o["argmax_agree"] is not None:
             assert o["argmax_agree"] >= 0.95, (name, o)

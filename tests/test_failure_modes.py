@@ -661,7 +661,7 @@ def test_05_overflow_nodes_kept_fp32(calibration):
         rep, out, feeds = c.rep, c.out, c.feeds
     else:
         src, feeds = cases.case_05_activation_overflow()
-        rep, out = do_convert(src)  # calibration=None: graphmp.oracle.make_inputs
+        rep, out = do_convert(src)  # calibration=None: generated inputs (graphmp.inputs)
     tm = type_map(out)
     assert_precision(out, tm, ["square", "rsum", "add_bias"], "fp32",
                      "(|square| ~ 1e6 > 65504)")
@@ -1134,7 +1134,7 @@ def test_18_imports_cleanly_in_fresh_process():
             import graphmp, graphmp.oracle
             for attr in ("convert", "check", "GraphmpError"):
                 assert hasattr(graphmp, attr), attr
-            for attr in ("run_reference", "run_ort", "make_inputs"):
+            for attr in ("run_reference", "run_ort", "runner"):
                 assert hasattr(graphmp.oracle, attr), attr
         own = [f"{{x.filename}}:{{x.lineno}}: {{x.category.__name__}}: {{x.message}}"
                for x in w if "graphmp" in x.filename]
@@ -1176,8 +1176,12 @@ def test_19_calibration_batch_independent_and_dims_dynamic():
         assert not problems, "\n".join(problems)
 
 
-def test_19_make_inputs_batch():
-    from graphmp.oracle import make_inputs
+def test_19_generated_inputs_batch():
+    from graphmp.inputs import find_shapes
+    from graphmp.oracle import runner
     model, _, _ = cases.case_19_dynamic_batch()
-    assert make_inputs(model, batch=4)["x"].shape == (4, 64)
-    assert make_inputs(model, batch=1)["x"].shape == (1, 64)
+    plan = find_shapes(model, runner(model))
+    assert plan.batch_free and plan.batch_dims == (("x", 0),)
+    assert plan.feeds(batch=4)["x"].shape == (4, 64)
+    assert plan.feeds(batch=1)["x"].shape == (1, 64)
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # the model's dim stays dynamic

@@ -16,7 +16,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphmp
 from graphmp.cli import main
-from graphmp.oracle import make_inputs, run_ort, run_reference
+from graphmp.inputs import find_shapes, generate, input_specs
+from graphmp.oracle import run_ort, run_reference, runner
 from graphmp.pad import pad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,6 +83,18 @@ def weight_dims(model, name):
     return list(weight(model, name).dims)
 
 
+def make_feeds(model, seed=0, batch=1, size=None):
+    """Generated inputs: dynamic axis 0 = batch, other dynamic dims = size; without a
+    size, the shapes graphmp finds by a trial run (batch applied where it can change)."""
+    specs = input_specs(model)
+    if size is None:
+        plan = find_shapes(model, runner(model))
+        return plan.feeds(seed, batch=batch if plan.batch_free else None)
+    shapes = {s.name: tuple(d if isinstance(d, int) else (batch if i == 0 else size) for i, d in enumerate(s.dims))
+              for s in specs}
+    return generate(specs, shapes, seed)
+
+
 def assert_padded_ok(src, multiple=8, batches=(1, 3), hw=None, **kw):
     """Pad `src`, then: checker-clean, outputs equal to FP32 rounding on several input
     sizes, output shapes unchanged, every padded dim a multiple (stems: 4 or 8) and
@@ -91,7 +104,7 @@ def assert_padded_ok(src, multiple=8, batches=(1, 3), hw=None, **kw):
     onnx.checker.check_model(out, full_check=True)
     base = src if isinstance(src, onnx.ModelProto) else onnx.load(src)
     for b in batches:
-        feeds = make_inputs(base, seed=b, batch=b, dim=hw or 16)
+        feeds = make_feeds(base, seed=b, batch=b, size=hw)
         ref, got = run_ort(base, feeds), run_ort(out, feeds)
         for k, v in ref.items():
             assert got[k].shape == v.shape, k
@@ -139,7 +152,7 @@ def test_wrong_padding_would_be_caught():
     w = numpy_helper.to_array(t).copy()
     w[:, 13:] = 1.0
     t.CopyFrom(numpy_helper.from_array(w, t.name))
-    feeds = make_inputs(m, batch=2)
+    feeds = make_feeds(m, batch=2)
     assert np.max(np.abs(run_ort(out, feeds)[m.graph.output[0].name] - run_ort(m, feeds)[m.graph.output[0].name])) > 1
 
 
@@ -297,7 +310,7 @@ def test_pad_converted_mixed_precision_model(tmp_path):
     head = node_by_name(out, next(p["node"] for p in d["padded"] if p["dim"] == "N"))
     assert weight(out, head.input[1]).data_type == TensorProto.FLOAT16
     # the FP16-faithful oracle agrees too: padding did not change what FP16 computes
-    feeds = make_inputs(mp, batch=1)
+    feeds = make_feeds(mp, batch=1)
     a, b = run_reference(mp, feeds), run_reference(out, feeds)
     for k in a:
         assert np.max(np.abs(a[k].astype(np.float32) - b[k].astype(np.float32))) <= 1e-2 * np.max(np.abs(a[k]))
@@ -321,7 +334,7 @@ def test_cli_pad(tmp_path, capsys):
     out, rep = tmp_path / "o.onnx", tmp_path / "r.json"
     assert main(["pad", src, "-o", str(out), "--multiple", "16", "--validate", "--report", str(rep)]) == 0
     text = capsys.readouterr().out
-    assert "padding to multiples of 16" in text and "validation: max abs difference" in text
+    assert "padding to multiples of 16" in text and "validation on x:2x3x224x224: max abs difference" in text
     import json
     d = json.load(open(rep))
     assert d["multiple"] == 16 and d["validation"]["shapes_unchanged"]

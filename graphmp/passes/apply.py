@@ -1,5 +1,6 @@
 """apply: rewrite the graph to the painted precision plan.
 
+Needs: ctx.info (classify), ctx.lowered (paint), ctx.types.
 Guarantees:
 - a lowered node reads its retyped inputs in the target type and produces its retyped
   outputs in it; every other node reads exactly the types it read in the source, so
@@ -22,6 +23,7 @@ from onnx import TensorProto, helper
 
 from ..context import FLOAT
 from ..io import CONVERT_MARK, is_external, tensor_array
+from . import PassResult
 SUFFIX = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}
 
 
@@ -220,6 +222,9 @@ def apply(ctx):
             if t is not None and v.type.HasField("tensor_type"):
                 v.type.tensor_type.elem_type = t
 
-    ctx.report["casts_added"] = rw.casts_added
-    ctx.report["rounding"] = rw.rounding
     return rw
+
+
+def run(ctx) -> PassResult:
+    rw = apply(ctx)
+    return PassResult(changed=True, details={"casts_added": rw.casts_added, "rounding": rw.rounding})

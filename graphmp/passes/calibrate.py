@@ -1,99 +1,230 @@
-"""calibrate: one FP32 run over the calibration batches records max |x| of every float
-tensor of the main graph (ctx.ranges); classify keeps nodes above the threshold FP32.
-The same run proves the types of tensors that shape inference left unknown (outputs
-of custom or experimental ops): ONNX Runtime returns them with their real dtype.
+"""calibrate: FP32 runs of ONNX Runtime over the calibration batches record max |x| of
+every float tensor in every graph, the main graph and If/Loop/Scan bodies alike.
 
-Without calibration data, generated inputs are used (two seeds, two batch sizes) and
-the report says so. Models whose weights exceed AUTO_LIMIT are not calibrated
-automatically (an extra FP32 copy of the weights in ONNX Runtime); pass
---calibration to do it anyway. Subgraph tensors are not observed.
+Needs: the prepared model (opset >= 7, canonical) and its proven types (types pass).
+Guarantees:
+- ranges[(graph key, tensor)] = the largest finite |x| seen on any batch (a body run
+  many times counts every iteration; a branch that never ran records nothing);
+- types that shape inference left unknown in the main graph are proven by the run;
+- at least one batch ran, or a GraphmpError that names --shapes / --calibration /
+  --no-calibration (generated inputs) or the data file (user data). The one case that
+  goes on without ranges: ONNX Runtime cannot load the model at all (a custom op with
+  no kernel here); then the report says "skipped" with ORT's reason and a warning.
+
+How: a copy of the model gets `ReduceMax(Abs(x))` per tensor (one scalar each, so
+memory does not grow with the number or size of intermediates). A scalar computed in a
+body reaches the main graph as an extra output of its If (the other branch outputs
+-inf), Loop or Scan (one value per iteration). Without user data, the input shapes come
+from graphmp.inputs.find_shapes, whose successful trial runs are the batches.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
+from onnx import helper
 
 from ..context import FLOAT
 from ..errors import GraphmpError
-from ..io import model_weight_bytes
-from ..oracle import load_feeds, make_inputs, ort_session
+from ..inputs import check_feeds, dims_text, find_shapes, input_specs
+from ..io import attr_graphs, load_npz, model_weight_bytes
+from ..ir import Names
+from ..oracle import ort_session
+from . import PassResult
 
 AUTO_LIMIT = 1 << 30
+_CONTROL_FLOW = {"If", "Loop", "Scan"}
 
 
-def _batches(ctx):
-    cal = ctx.options.calibration
-    if cal in (None, "auto"):
-        if model_weight_bytes(ctx.model) > AUTO_LIMIT:
-            ctx.warn("model over 1 GB: no automatic calibration run (pass --calibration DATA to range-check it)")
-            return [], "skipped (model over 1 GB)"
-        try:
-            return [make_inputs(ctx.model, seed=0, batch=1), make_inputs(ctx.model, seed=1, batch=2)], "generated inputs"
-        except Exception as e:
-            ctx.warn(f"calibration skipped: cannot generate inputs ({e}); pass --calibration DATA")
-            return [], "skipped (cannot generate inputs)"
-    if cal == "off":
-        return [], "off"
-    if isinstance(cal, (str, os.PathLike)):
-        cal = [cal]
-    batches = []
-    for item in cal:
-        batches.extend(load_feeds(item) if isinstance(item, (str, os.PathLike)) else [dict(item)])
-    if not batches:
-        raise GraphmpError("calibration: no batches given")
-    return batches, f"{len(batches)} batch(es) of user data"
+@dataclass
+class Calibration:
+    ranges: dict = field(default_factory=dict)     # (graph key, tensor) -> max |x|
+    proven_types: dict = field(default_factory=dict)  # main-graph tensor -> elem type
+    report: dict = field(default_factory=dict)
 
 
-def calibrate(ctx):
-    batches, source = _batches(ctx)
-    ctx.report["calibration"] = {"source": source, "batches": len(batches)}
-    if not batches:
-        return
-    types = ctx.types["main"]
-    probe = onnx.ModelProto()
-    probe.CopyFrom(ctx.model)
-    have = {o.name for o in probe.graph.output}
-    unknown = set()
-    for n in probe.graph.node:
-        for o in n.output:
-            if o and o not in have and types.get(o) in (FLOAT, None):
-                if types.get(o) == FLOAT:
-                    probe.graph.output.append(onnx.helper.make_tensor_value_info(o, FLOAT, None))
-                else:  # type not proven by shape inference: ONNX Runtime will tell
-                    probe.graph.output.append(onnx.ValueInfoProto(name=o))
-                    unknown.add(o)
-                have.add(o)
+# --------------------------------------------------------------------------- probe
+class _Probe:
+    """Adds the range outputs to a copy of the model. `outputs` maps each new main-graph
+    output to the (graph key, tensor) whose max |x| it carries (or, for tensors of
+    unknown type, to the tensor returned as it is)."""
+
+    def __init__(self, model, types):
+        self.model = onnx.ModelProto()
+        self.model.CopyFrom(model)
+        self.types = types
+        self.names = Names(self.model)
+        self.scalars: dict = {}     # main-graph output name -> (graph key, tensor)
+        self.raw: dict = {}         # main-graph output name -> tensor of unknown type
+        g = self.model.graph
+        main_types = types.get("main", {})
+        have = {o.name for o in g.output}
+        unknown = [o for n in g.node for o in n.output if o and o not in have and main_types.get(o) is None]
+        for name, key in self._instrument(g, "main"):
+            g.output.append(helper.make_tensor_value_info(name, FLOAT, []))
+            self.scalars[name] = key
+        for o in dict.fromkeys(unknown):
+            g.output.append(onnx.ValueInfoProto(name=o))  # ONNX Runtime tells the type
+            self.raw[o] = o
+
+    def _max_abs(self, g, x) -> str:
+        a = self.names.fresh(f"{x}__absmax_abs")
+        m = self.names.fresh(f"{x}__absmax")
+        g.node.extend([helper.make_node("Abs", [x], [a], name=self.names.fresh("graphmp_cal_abs")),
+                       helper.make_node("ReduceMax", [a], [m], name=self.names.fresh("graphmp_cal_max"),
+                                        keepdims=0)])
+        return m
+
+    def _instrument(self, g, key) -> list:
+        """[(scalar name in g, (graph key, tensor))] for the float tensors of g and of
+        its control-flow bodies (nested), with the body scalars surfaced through their
+        nodes' outputs."""
+        types = self.types.get(key, {})
+        inits = {t.name for t in g.initializer}
+        own = [v.name for v in g.input if v.name not in inits and types.get(v.name) == FLOAT]
+        surfaced = []
+        for n in list(g.node):
+            own.extend(o for o in n.output if o and types.get(o) == FLOAT)
+            if n.op_type in _CONTROL_FLOW and n.domain in ("", "ai.onnx"):
+                surfaced.extend(self._surface(g, n, key))
+        return [(self._max_abs(g, x), (key, x)) for x in own] + surfaced
+
+    def _surface(self, g, n, key) -> list:
+        subs = [(a, sg) for a in n.attribute for sg in attr_graphs(a)]
+        per_sub = [(a.name, sg, self._instrument(sg, f"{key}/{n.name}.{a.name}")) for a, sg in subs]
+        out = []
+        if n.op_type == "If":
+            union = [k for _, _, found in per_sub for _, k in found]
+            for _, sg, found in per_sub:
+                mine = dict((k, x) for x, k in found)
+                for k in union:
+                    x = mine.get(k)
+                    if x is None:  # not computed in this branch: -inf means "nothing seen"
+                        x = self.names.fresh("graphmp_cal_none")
+                        sg.node.append(helper.make_node("Constant", [], [x], name=self.names.fresh("graphmp_cal_c"),
+                                                        value=onnx.numpy_helper.from_array(np.array(-np.inf, np.float32))))
+                    sg.output.append(helper.make_tensor_value_info(x, FLOAT, []))
+            keys = union
+        else:  # Loop / Scan: each body scalar becomes a scan output (one value per iteration)
+            keys = []
+            for _, sg, found in per_sub:
+                for x, k in found:
+                    sg.output.append(helper.make_tensor_value_info(x, FLOAT, []))
+                    keys.append(k)
+            for a in n.attribute:
+                if a.name in ("scan_output_axes", "scan_output_directions"):
+                    a.ints.extend([0] * len(keys))
+        for k in keys:
+            y = self.names.fresh(f"{n.name}__cal")
+            n.output.append(y)
+            out.append((y, k))
+        return out
+
+
+# --------------------------------------------------------------------------- runs
+class _Runner:
+    """Runs the probe and folds each successful run into the ranges."""
+
+    def __init__(self, sess, probe: _Probe, cal: Calibration):
+        self.sess, self.probe, self.cal = sess, probe, cal
+        self.outputs = [o.name for o in sess.get_outputs()]
+        self.inputs = [i.name for i in sess.get_inputs()]
+        self.shapes: list = []
+
+    def __call__(self, feeds):
+        outs = self.sess.run(self.outputs, {k: feeds[k] for k in self.inputs})
+        ranges = self.cal.ranges
+        for name, arr in zip(self.outputs, outs):
+            key = self.probe.scalars.get(name)
+            if key is None and name in self.probe.raw and isinstance(arr, np.ndarray):
+                self.cal.proven_types.setdefault(name, onnx.helper.np_dtype_to_tensor_dtype(arr.dtype))
+                key = ("main", name)
+                arr = np.abs(arr[np.isfinite(arr)]) if arr.dtype == np.float32 else np.empty(0)
+            if key is None or not isinstance(arr, np.ndarray) or arr.size == 0:
+                continue
+            finite = arr[~np.isnan(arr)]
+            m = float(finite.max()) if finite.size else -np.inf
+            if m > ranges.get(key, -np.inf):
+                ranges[key] = m
+        self.shapes.append(", ".join(f"{k}:{dims_text(np.shape(feeds[k]))}" for k in self.inputs))
+
+
+def _first_line(e) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else type(e).__name__
+
+
+def _user_batches(cal_option, specs):
+    """(source text, arrays) per user batch: .npz paths or dicts of arrays."""
+    items = [cal_option] if isinstance(cal_option, (str, os.PathLike, dict)) else list(cal_option)
+    if not items:
+        raise GraphmpError("--calibration: no batches given")
+    for i, item in enumerate(items):
+        if isinstance(item, (str, os.PathLike)):
+            source = os.fspath(item)
+            arrays = load_npz(source, ".npz of model inputs",
+                              " Save one with numpy.savez(path, **{input_name: array}).")
+        else:
+            source, arrays = f"calibration batch {i}", dict(item)
+        check_feeds(specs, arrays, source)
+        yield source, arrays
+
+
+def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<model>") -> Calibration:
+    """Ranges of every float tensor over the calibration batches (see the module doc).
+
+    data: None/"auto" (generated inputs), "off", or .npz path(s) / dicts of arrays.
+    shapes: --shapes for generated inputs (NAME:DIMS,... or a dict)."""
+    cal = Calibration()
+    if data == "off":
+        cal.report = {"source": "off", "batches": 0}
+        return cal
+    generated = data in (None, "auto")
+    if generated and model_weight_bytes(model) > AUTO_LIMIT:
+        cal.report = {"source": "skipped: model over 1 GB (pass --calibration DATA to range-check it)",
+                      "batches": 0}
+        return cal
+    probe = _Probe(model, types)
     try:
-        sess = ort_session(probe, base_dir=ctx.base_dir, optimize=False)
-    except Exception as e:
-        ctx.warn(f"calibration skipped: ONNX Runtime cannot load the model ({str(e).splitlines()[0][:160]})")
-        ctx.report["calibration"]["source"] = "failed"
-        return
-    del probe
-    names = [o.name for o in sess.get_outputs()]
-    inputs = {i.name for i in sess.get_inputs()}
-    ranges: dict = {}
-    proven = 0
-    for k, feeds in enumerate(batches):
-        missing = inputs - set(feeds)
-        if missing:
-            raise GraphmpError(f"calibration batch {k}: no data for model input(s) {sorted(missing)}; "
-                               "name the .npz arrays after the model inputs.")
-        try:
-            outs = sess.run(names, {n: feeds[n] for n in inputs})
-        except Exception as e:
-            ctx.warn(f"calibration batch {k} failed in ONNX Runtime ({str(e).splitlines()[0][:160]}); ranges from earlier batches only")
-            continue
-        for name, arr in zip(names, outs):
-            if name in unknown and isinstance(arr, np.ndarray) and k == 0:
-                types[name] = onnx.helper.np_dtype_to_tensor_dtype(arr.dtype)
-                proven += 1
-            if isinstance(arr, np.ndarray) and arr.dtype == np.float32 and arr.size:
-                m = float(np.nanmax(np.abs(arr)))
-                if m > ranges.get(name, -1.0):
-                    ranges[name] = m
-    ctx.ranges = ranges
-    ctx.report["calibration"]["tensors_observed"] = len(ranges)
-    ctx.report["calibration"]["types_proven_by_run"] = proven
+        sess = ort_session(probe.model, base_dir=base_dir, optimize=False)
+    except Exception as e:  # noqa: BLE001 - ORT's load errors are many kinds
+        reason = _first_line(e)
+        cal.report = {"source": f"skipped: ONNX Runtime cannot load the model here ({reason})", "batches": 0,
+                      "warning": "no range check was done: nodes that overflow FP16 were not found"}
+        return cal
+    del probe.model
+    run = _Runner(sess, probe, cal)
+    specs = input_specs(model)
+    if generated:
+        plan = find_shapes(model, run, shapes, where=where)
+        if plan.trials == 0:
+            run(plan.feeds(seed=0))
+        if not plan.batch_free:
+            run(plan.feeds(seed=1))
+        cal.report = {"source": "generated inputs", "shapes_found": plan.how, "value_hints": plan.hints}
+    else:
+        for source, arrays in _user_batches(data, specs):
+            try:
+                run(arrays)
+            except Exception as e:  # noqa: BLE001
+                raise GraphmpError(f"{source}: ONNX Runtime cannot run the FP32 model on this data "
+                                   f"({_first_line(e)})") from None
+        cal.report = {"source": "user data"}
+    cal.report.update(batches=len(run.shapes), shapes=run.shapes, tensors_observed=len(cal.ranges),
+                      types_proven_by_run=len(cal.proven_types))
+    return cal
+
+
+def run(ctx) -> PassResult:
+    """Needs the prepared model and ctx.types. Sets ctx.ranges; proves unknown main-graph types."""
+    cal = calibrate(ctx.model, ctx.types, data=ctx.options.calibration, shapes=ctx.options.shapes,
+                    base_dir=ctx.base_dir, where=ctx.path)
+    ctx.ranges = cal.ranges
+    if cal.report.get("warning"):
+        ctx.warn(f"calibration {cal.report['source']}: {cal.report['warning']}")
+    main = ctx.types.setdefault("main", {})
+    for name, elem in cal.proven_types.items():
+        main.setdefault(name, elem)
+    return PassResult(changed=False, details=cal.report)

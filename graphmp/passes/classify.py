@@ -1,5 +1,10 @@
 """classify: for every node, its op class and whether it may run in low precision.
 
+Needs: ctx.types (types pass), ctx.ranges (calibrate; may be empty), the options.
+Guarantees: ctx.info[id(node)] for every node of every graph: the op class, the input
+and output positions that would take the low type, and the reason it must stay FP32
+(None when it may be lowered).
+
 A node may be lowered only where the schema at the model's opset allows the target
 type for every float type variable that gets retyped. It must stay FP32 (with the
 reason recorded) when any of these hold, in this order of precedence:
@@ -9,6 +14,9 @@ reason recorded) when any of these hold, in this order of precedence:
      tensor whose type could not be proven;
   4. it is a Cast producing FP32 from integers (shape arithmetic, element counts that
      can exceed 65504) or from FP16 (a deliberate FP32 island in the source);
+     it is INT8 work of a Q/DQ model: it reads a DequantizeLinear output or feeds a
+     QuantizeLinear (TensorRT and ONNX Runtime fuse DQ -> op -> Q into INT8 kernels; a
+     Cast inside that unit would break the fusion and move quantization buckets);
   5. an initializer it reads would change meaning in the target type (beyond the
      range, or a small constant that rounds to zero);
   6. calibration saw a value above the range threshold on one of its float tensors;
@@ -24,6 +32,7 @@ from onnx import TensorProto
 from .. import ops
 from ..context import FLOAT, NodeInfo
 from ..io import tensor_array
+from . import PassResult
 
 FP16_MAX = 65504.0
 FP16_TINY = 2.0 ** -24          # smallest FP16 subnormal: below half of it rounds to 0
@@ -94,8 +103,20 @@ def _fmt(x):
     return f"{x:.4g}"
 
 
+QDQ_REASON = ("INT8 Q/DQ op: reads a DequantizeLinear output or feeds a QuantizeLinear (kept as the "
+              "quantizer placed it: a Cast there would break the INT8 fusion)")
+
+
+def _qdq_edges(g):
+    """(DequantizeLinear outputs, QuantizeLinear data inputs) of graph g."""
+    dq = {n.outputs[0] for n in g.nodes if n.op_type == "DequantizeLinear" and n.outputs}
+    q = {n.inputs[0] for n in g.nodes if n.op_type == "QuantizeLinear" and n.inputs}
+    return dq, q
+
+
 def classify(ctx):
     opt = ctx.options
+    qdq = {g.key: _qdq_edges(g) for g in ctx.root.walk()}
     fp16_re = re.compile(opt.fp16_nodes) if opt.fp16_nodes else None
     fp32_re = re.compile(opt.fp32_nodes) if opt.fp32_nodes else None
     fp32_ops = set(opt.fp32_ops or ())
@@ -121,10 +142,13 @@ def classify(ctx):
         if forced16:
             info.cls = "fp16"
             continue
+        dq_out, q_in = qdq[g.key]
         if fp32_re and fp32_re.search(n.name):
             info.reason = "user: --fp32-nodes"
         elif n.op_type in fp32_ops:
             info.reason = "user: --fp32-ops"
+        elif any(x in dq_out for x in n.inputs) or any(y in q_in for y in n.outputs):
+            info.reason = QDQ_REASON
         elif cls == "unknown":
             info.reason = "op not in graphmp's FP16 lists (kept FP32 to be safe)"
         if info.reason is None:
@@ -141,7 +165,8 @@ def classify(ctx):
                     break
         if info.reason is None and ctx.ranges:
             for x in list(n.inputs) + list(n.outputs):
-                r = ctx.ranges.get(x)
+                owner = g.owner_of(x) if x else None
+                r = ctx.ranges.get((owner.key if owner is not None else g.key, x))
                 if r is not None and r > opt.range_threshold and ctx.type_of(g, x) == FLOAT:
                     info.reason = (f"range: |{x}| reached {_fmt(r)} in calibration "
                                    f"(threshold {_fmt(opt.range_threshold)})")
@@ -150,3 +175,9 @@ def classify(ctx):
             info.reason = f"{n.op_type} is range-sensitive (FP32 op class)"
         if info.reason:
             info.cls = "fp32"
+
+
+def run(ctx) -> PassResult:
+    classify(ctx)
+    fp32 = sum(1 for i in ctx.info.values() if i.reason)
+    return PassResult(changed=False, details={"nodes_that_must_stay_fp32": fp32})

@@ -13,12 +13,16 @@ its I/O keep their declared types). Named steps, in order:
   5. clear:    clear nodes connected to fp16 nodes through clear nodes become fp16.
 Everything else keeps its FP32 type. Casts then appear only where a painted region
 meets an FP32 one.
+
+Needs: ctx.info (classify). Guarantees: ctx.lowered holds id(node) of every node that
+runs in the low type; nothing else changes.
 """
 from __future__ import annotations
 
 from collections import deque
 
 from ..context import FLOAT
+from . import PassResult
 
 ISLAND = "inside a deliberate FP32 island of the source model"
 SPREAD = "FP32 spread from an FP32 neighbour ({})"
@@ -131,3 +135,8 @@ def paint_graph(ctx, g):
 def paint(ctx):
     for g in ctx.root.walk():
         paint_graph(ctx, g)
+
+
+def run(ctx) -> PassResult:
+    paint(ctx)
+    return PassResult(changed=False, details={"nodes_lowered": len(ctx.lowered)})

@@ -1,12 +1,15 @@
 """prepare: put the FP32 source in a canonical form the other passes can rely on.
 
-Guarantees afterwards:
-- the default-domain opset is >= 7 (older models are upgraded, or a clear error);
+Needs: ctx.model (as loaded), ctx.path for messages.
+Guarantees afterwards (ctx.model, ctx.names and the IR ctx.root):
+- the default-domain opset is >= 7, the oldest ONNX Runtime runs (older models are
+  upgraded step by step, or a GraphmpError names the op that stops the upgrade);
 - initializers are not also graph inputs (IR < 4 style); they are constants;
 - float Constant nodes are initializers (so weights are converted offline);
 - every node in every graph has a unique name;
-- redundant source Casts are gone: no-op Casts and FP16->FP32->FP16 round trips;
 - every graph is topologically sorted.
+`drop_redundant_casts` (run after the types pass, whose types it needs) removes no-op
+Casts and the second Cast of FP16->FP32->FP16 round trips.
 Nothing here changes what the model computes.
 """
 from __future__ import annotations
@@ -15,30 +18,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from ..errors import GraphmpError
-from ..io import iter_graphs
+from ..io import iter_graphs, model_weight_bytes
 from ..ir import Graph, Names, name_nodes
+from . import PassResult
+from ..opset import default_opset, upgrade
 
-MIN_OPSET = 7
-
-
-def default_opset(model) -> int:
-    for o in model.opset_import:
-        if o.domain in ("", "ai.onnx"):
-            return o.version
-    return 0
-
-
-def upgrade_opset(ctx):
-    v = default_opset(ctx.model)
-    if v >= MIN_OPSET or v == 0:
-        return
-    try:
-        ctx.model = onnx.version_converter.convert_model(ctx.model, 13)
-        ctx.warn(f"upgraded opset {v} -> 13 (FP16 types need opset >= {MIN_OPSET})")
-    except Exception as e:
-        raise GraphmpError(f"{ctx.path}: opset {v} is too old for FP16 and the automatic upgrade failed "
-                           f"({str(e)[:100]}). Re-export with opset >= 13.") from None
+MIN_OPSET = 7  # ONNX Runtime guarantees opset 7 and above
 
 
 def initializers_out_of_inputs(model) -> int:
@@ -127,18 +112,30 @@ def drop_redundant_casts(ctx, types_of) -> int:
     return removed
 
 
-def build(ctx):
-    """Parse the proto into the IR after the proto-level canonicalisation."""
-    upgrade_opset(ctx)
-    rep = ctx.report.setdefault("prepare", {})
-    rep["initializers_removed_from_inputs"] = initializers_out_of_inputs(ctx.model)
-    if rep["initializers_removed_from_inputs"]:
-        ctx.warn(f"{rep['initializers_removed_from_inputs']} initializers were also graph inputs; "
+def run(ctx) -> PassResult:
+    """Canonicalise ctx.model and build the IR (ctx.root, ctx.names)."""
+    details = {}
+    v = default_opset(ctx.model)
+    if 0 < v < MIN_OPSET:
+        ctx.model = upgrade(ctx.model, MIN_OPSET, ctx.path)
+        details["opset_upgraded"] = [v, MIN_OPSET]
+        ctx.warn(f"upgraded opset {v} -> {MIN_OPSET} (ONNX Runtime runs opset >= {MIN_OPSET})")
+    details["initializers_removed_from_inputs"] = initializers_out_of_inputs(ctx.model)
+    if details["initializers_removed_from_inputs"]:
+        ctx.warn(f"{details['initializers_removed_from_inputs']} initializers were also graph inputs; "
                  "they are now constants (ONNX Runtime recommends the same)")
-    rep["constants_to_initializers"] = constants_to_initializers(ctx.model)
+    details["constants_to_initializers"] = constants_to_initializers(ctx.model)
+    details["weight_bytes"] = model_weight_bytes(ctx.model)
     ctx.names = Names(ctx.model)
-    rep["nodes_named"] = name_nodes(ctx.model, ctx.names)
+    details["nodes_named"] = name_nodes(ctx.model, ctx.names)
     ctx.root = Graph(ctx.model.graph, None, "main")
     for g in ctx.root.walk():
         g.toposort(ctx.path)
     ctx.root.write_back()
+    return PassResult(changed=any(v for k, v in details.items() if k != "weight_bytes"), details=details)
+
+
+def run_drop_redundant_casts(ctx) -> PassResult:
+    """Needs ctx.types. Removes no-op Casts and FP16->FP32->FP16 second Casts."""
+    n = drop_redundant_casts(ctx, ctx.type_of)
+    return PassResult(changed=bool(n), details={"redundant_casts_removed": n})

@@ -1,5 +1,8 @@
 """types: the element type of every tensor in every graph of the FP32 source.
 
+Needs: the prepared model and IR (prepare). Guarantees: ctx.types[graph key][tensor]
+is the proven element type, or the tensor is absent (unknown).
+
 ONNX shape inference does most of it, run on a skeleton of the model whose large
 float initializers carry no data (so a 3 GB model costs megabytes). Where it cannot
 finish (custom ops, broken annotations), types are propagated from the op schemas;
@@ -14,6 +17,7 @@ import onnx
 from onnx import TensorProto
 
 from .. import ops
+from . import PassResult
 from ..io import attr_graphs, iter_graphs
 
 
@@ -97,3 +101,9 @@ def infer_types(ctx):
         inferred = ctx.model
     _collect(ctx, ctx.root, inferred.graph)
     _propagate(ctx, ctx.root)
+
+
+def run(ctx) -> PassResult:
+    infer_types(ctx)
+    known = sum(len(t) for t in ctx.types.values())
+    return PassResult(changed=False, details={"tensors_typed": known})

@@ -48,7 +48,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GraphmpError
 from ..io import iter_graphs, load_model, save_model, save_npz, tensor_array, write_json
-from ..passes.prepare import default_opset, initializers_out_of_inputs
+from ..opset import upgrade
+from ..passes.prepare import initializers_out_of_inputs
 
 NEXT = "__next"
 GRAD = "__grad"
@@ -300,13 +301,30 @@ def _label_spec(cfg, out_dims, path):
     return shape, elem
 
 
+def _calibration_batch(src, base_dir, shapes, path, label_name, label_dims, label_elem, state) -> dict:
+    """One generated batch for the mixed conversion of the step's forward: the model's
+    inputs (shapes that run, batch 2 where the model allows it), zero labels of the
+    matching shape, and the real weights and BatchNorm statistics (`state`)."""
+    from ..inputs import find_shapes
+    from ..oracle import runner
+    plan = find_shapes(src, runner(src, base_dir=base_dir), shapes, where=path)
+    batch = 2 if plan.batch_free else None
+    feeds = plan.feeds(0, batch=batch)
+    sizes = {d: n for s in plan.specs for d, n in zip(s.dims, feeds[s.name].shape) if isinstance(d, str)}
+    label = [d if isinstance(d, int) else sizes.get(d, batch or 1) for d in label_dims]
+    feeds[label_name] = np.zeros(label, dtype=helper.tensor_dtype_to_np_dtype(label_elem))
+    feeds.update(state)
+    return feeds
+
+
 def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None, label_name: str = "labels",
                optimizer: str = "adamw", lr: float = 1e-3, momentum: float = 0.9, betas=(0.9, 0.999),
                eps: float = 1e-8, weight_decay: float = 0.0, clip_norm: float | None = None,
                loss_scale="dynamic", init_scale: float = 2.0**16, growth_interval: int = 2000,
                backoff: float = 0.5, growth: float = 2.0, min_scale: float = 1.0, max_scale: float = 2.0**24,
                precision: str = "mixed", output: str | None = None, trainable: str | None = None,
-               calibration=None, expose_grads: bool = False, bn_momentum: float | None = None) -> dict:
+               calibration=None, shapes=None, expose_grads: bool = False,
+               bn_momentum: float | None = None) -> dict:
     """Write the training step for an FP32 model (path) to out_dir; return the train.json dict.
 
     loss: "cross-entropy" (integer class labels, SoftmaxCrossEntropyLoss over axis 1 of `output`)
@@ -317,7 +335,8 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
     loss_scale: "dynamic" (starts at init_scale) or a number (static: never changes).
     precision "mixed": the forward+loss graph goes through graphmp.convert (keep_io_types, so the
     masters stay FP32 inputs with Casts to FP16 inside); calibration: as for convert, default a
-    generated batch with the real weights. The backward takes each op's precision from it.
+    generated batch (shapes from `shapes` or a trial run, graphmp.inputs) with the real weights.
+    The backward takes each op's precision from it.
     """
     from .autodiff import add_backward, training_forward
 
@@ -337,12 +356,7 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
     if any(p.key == "graphmp" for p in src.metadata_props):
         raise GraphmpError(f"{path}: this model was already converted by graphmp; build the training step "
                            "from the FP32 source model (precision='mixed' converts it for you).")
-    if default_opset(src) < MIN_OPSET:
-        try:
-            src = onnx.version_converter.convert_model(src, MIN_OPSET)
-        except Exception as e:
-            raise GraphmpError(f"{path}: opset {default_opset(src)} is below {MIN_OPSET} and the upgrade failed "
-                               f"({str(e)[:100]}). Re-export the model with opset >= {MIN_OPSET}.") from None
+    src = upgrade(src, MIN_OPSET, path)  # the gradient rules are written for opset >= 13
     initializers_out_of_inputs(src)
     base = os.path.dirname(os.path.abspath(path))
     values = {t.name: np.array(tensor_array(t, base)) for t in src.graph.initializer}
@@ -397,13 +411,10 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
     convert_report = None
     if cfg["precision"] == "mixed":
         from ..convert import convert
-        from ..oracle import make_inputs
         cal = calibration
         if cal is None:
-            feeds = make_inputs(fwd, seed=0, batch=2)
-            feeds.update({w: values[w] for w in weights + bn_stats})
-            feeds[label_name] = np.zeros(feeds[label_name].shape, dtype=feeds[label_name].dtype)
-            cal = [feeds]
+            cal = [_calibration_batch(src, base, shapes, path, label_name, label_dims, label_elem,
+                                      {w: values[w] for w in weights + bn_stats})]
         rep = convert(fwd, calibration=cal, keep_io_types=True)
         fwd, convert_report = rep.model, rep.to_dict()
 

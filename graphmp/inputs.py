@@ -1,0 +1,420 @@
+"""Model inputs: what the graph declares, the shapes graphmp runs it with, and the
+values it feeds when the user gives no data. One mechanism for every command that
+runs a model (convert's calibration, check, pad --validate, bench, build, train-graph).
+
+    specs = input_specs(model)                          # names, dtypes, dims
+    given = parse_shapes("x:1x3x640x640,mask:1x640")    # --shapes (trtexec syntax)
+    plan = find_shapes(model, run, given)               # trial runs where dims are dynamic
+    feeds = plan.feeds(seed=0)                          # deterministic generated inputs
+    check_feeds(specs, arrays, "data.npz")              # user data: names, dtypes, ranks, dims
+
+How a dynamic dim gets its size:
+  1. --shapes gives it (a named dim given for one input holds for every input that
+     names it);
+  2. otherwise a trial run (the caller's `run`, normally ONNX Runtime on the FP32 model)
+     over plausible sizes for the dim's role, read from its name (batch, height/width,
+     sequence/time, past) or its place: axis 0 is the batch; the spatial axes of an
+     NCHW/NHWC image; the middle axis of an RNN state [layers, batch, hidden] is the
+     batch; other axes are token counts (integer inputs) or lengths (float inputs).
+     The first assignment that runs wins. Then batch 2 is tried, so calibration can
+     see two batch sizes where the model allows it (a fixed-batch state pins it).
+  If nothing runs, a one-line error says what was tried and names --shapes.
+Values: floats N(0,1); integers 0/1 (ones for names with 'mask'); booleans random;
+an integer scalar that the graph compares with a constant (Equal(sr, 16000) choosing an
+If branch) gets that constant, so the real branch runs.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from .errors import GraphmpError
+
+FLOAT_ELEMS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
+INT_ELEMS = (TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8,
+             TensorProto.UINT64, TensorProto.UINT32, TensorProto.UINT16, TensorProto.UINT8)
+
+# Sizes tried per role, most plausible first (the first one is used when it runs).
+CANDIDATES = {
+    "batch": [1],
+    "spatial": [224, 256, 320, 384, 448, 512, 640, 160, 128, 96, 64, 32],
+    "tokens": [16, 32, 64, 128, 8, 1],
+    "length": [512, 1024, 16000, 4096, 256, 128, 64, 16, 1],
+    "past": [0, 1, 16],
+    "other": [1, 16, 32, 64, 8, 4, 3, 2],
+}
+MAX_TRIALS = 40
+TRIAL_SECONDS = 120.0
+
+_ROLE_BY_NAME = [
+    ("past", re.compile(r"past", re.I)),
+    ("batch", re.compile(r"batch|^(n|b|bs|num_?samples)$", re.I)),
+    ("spatial", re.compile(r"height|width|^(h|w|img_?[hw]|image_?(height|width))$", re.I)),
+    ("length", re.compile(r"seq|len|time|frame|sample|step|token|^(t|s|l)$", re.I)),
+]
+
+
+@dataclass
+class Spec:
+    """One real graph input: name, ONNX element type, dims (int, dim name, or None)."""
+    name: str
+    elem: int
+    dims: list
+
+    @property
+    def dtype(self):
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(self.elem))
+
+    def show(self) -> str:
+        return "[" + ",".join("?" if d is None else str(d) for d in self.dims) + "]"
+
+
+def input_specs(model: onnx.ModelProto) -> list[Spec]:
+    """The graph inputs that are not initializers, with their declared dims
+    (0 is a real, empty dim; a negative dim_value counts as dynamic)."""
+    inits = {t.name for t in model.graph.initializer}
+    specs = []
+    for v in model.graph.input:
+        if v.name in inits:
+            continue
+        tt = v.type.tensor_type
+        dims = []
+        for d in tt.shape.dim:
+            if d.HasField("dim_value") and d.dim_value >= 0:
+                dims.append(int(d.dim_value))
+            else:
+                dims.append(d.dim_param or None)
+        specs.append(Spec(v.name, tt.elem_type, dims))
+    return specs
+
+
+_SHAPE = re.compile(r"^\d+(x\d+)*$")
+
+
+def parse_shapes(spec) -> dict:
+    """'input:1x3x224x224,mask:1x128' (trtexec syntax) -> {'input': (1, 3, 224, 224), ...}.
+    Also takes a dict {name: shape} or a list of 'name:shape' strings. A scalar is 'name:'."""
+    if spec is None:
+        return {}
+    if isinstance(spec, dict):
+        return {str(k): tuple(int(d) for d in v) for k, v in spec.items()}
+    items = spec.split(",") if isinstance(spec, str) else [p for s in spec for p in str(s).split(",")]
+    out = {}
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        name, sep, dims = item.rpartition(":")
+        if not sep or not name or (dims and not _SHAPE.match(dims)):
+            raise GraphmpError(f"--shapes: '{item}' is not NAME:DIMS with DIMS like 1x3x224x224 "
+                               "(several inputs separated by commas: input_ids:8x128,attention_mask:8x128)")
+        out[name] = tuple(int(d) for d in dims.split("x")) if dims else ()
+    return out
+
+
+def dims_text(shape) -> str:
+    return "x".join(map(str, shape)) or "(scalar)"
+
+
+def check_shapes(specs: list[Spec], given: dict, where: str) -> None:
+    """--shapes must name real inputs, with their rank and their fixed dims."""
+    by_name = {s.name: s for s in specs}
+    unknown = sorted(set(given) - set(by_name))
+    if unknown:
+        raise GraphmpError(f"{where}: --shapes names {', '.join(unknown)}, which is not an input of the model; "
+                           f"its inputs are {', '.join(s.name + s.show() for s in specs)}")
+    for name, shape in given.items():
+        s = by_name[name]
+        if len(shape) != len(s.dims) or any(isinstance(d, int) and d != v for d, v in zip(s.dims, shape)):
+            raise GraphmpError(f"{where}: --shapes {name}:{dims_text(shape)} does not fit input '{name}' "
+                               f"{s.show()} (same rank, and fixed dims as declared)")
+
+
+def check_feeds(specs: list[Spec], arrays: dict, source: str) -> None:
+    """User data must hold one array per model input with the input's dtype, rank and
+    fixed dims. A one-line GraphmpError names the file, the array and the fix."""
+    names = {s.name for s in specs}
+    missing = [s.name for s in specs if s.name not in arrays]
+    if missing:
+        extra = sorted(set(arrays) - names)
+        raise GraphmpError(f"{source}: no array for model input(s) {', '.join(missing)}"
+                           + (f" (the file has {', '.join(extra)})" if extra else "")
+                           + "; save one array per input, named after it: numpy.savez(path, "
+                           + ", ".join(f"{m}=..." for m in missing) + ")")
+    for s in specs:
+        a = np.asarray(arrays[s.name])
+        if a.dtype != s.dtype:
+            raise GraphmpError(f"{source}: array '{s.name}' is {a.dtype}, the model input is {s.dtype}; "
+                               f"save it as {s.dtype} (array.astype(numpy.{s.dtype.name}))")
+        if a.ndim != len(s.dims):
+            raise GraphmpError(f"{source}: array '{s.name}' has shape {dims_text(a.shape)} (rank {a.ndim}), "
+                               f"the model input is {s.show()} (rank {len(s.dims)})")
+        for axis, (d, v) in enumerate(zip(s.dims, a.shape)):
+            if isinstance(d, int) and d != v:
+                raise GraphmpError(f"{source}: array '{s.name}' has shape {dims_text(a.shape)}, but axis {axis} "
+                                   f"of input {s.show()} is fixed at {d}")
+
+
+# --------------------------------------------------------------------------- values
+_PASS_THROUGH = {"Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape", "Flatten"}
+_COMPARE = {"Equal"}
+
+
+def value_hints(model: onnx.ModelProto) -> dict:
+    """{input: value} for integer inputs of at most one element that the main graph
+    compares (Equal, through Cast/Reshape-like nodes) with a one-element constant:
+    mode selectors such as a sample rate that chooses an If branch."""
+    g = model.graph
+    consts = {t.name: t for t in g.initializer}
+    for n in g.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            consts[n.output[0]] = n.attribute[0].t
+    users: dict = {}
+    for n in g.node:
+        for x in n.input:
+            users.setdefault(x, []).append(n)
+    hints = {}
+    for s in input_specs(model):
+        if s.elem not in INT_ELEMS or any(isinstance(d, int) and d > 1 for d in s.dims) or len(s.dims) > 1:
+            continue
+        frontier, seen = [s.name], set()
+        while frontier and s.name not in hints:
+            x = frontier.pop()
+            seen.add(x)
+            for n in users.get(x, []):
+                if n.op_type in _PASS_THROUGH:
+                    frontier.extend(o for o in n.output[:1] if o not in seen)
+                elif n.op_type in _COMPARE:
+                    other = next((i for i in n.input if i != x), None)
+                    t = consts.get(other)
+                    if t is not None and int(np.prod(t.dims)) == 1:
+                        hints[s.name] = onnx.numpy_helper.to_array(t).reshape(()).item()
+                        break
+    return hints
+
+
+def generate(specs: list[Spec], shapes: dict, seed: int = 0, hints: dict | None = None) -> dict:
+    """Deterministic inputs of the given shapes (see the module docstring for values)."""
+    rng = np.random.default_rng(seed)
+    hints = hints or {}
+    feeds = {}
+    for s in specs:
+        shape = tuple(shapes[s.name])
+        if s.name in hints:
+            feeds[s.name] = np.full(shape, hints[s.name], dtype=s.dtype)
+        elif s.elem in FLOAT_ELEMS and s.elem != TensorProto.BFLOAT16:
+            feeds[s.name] = rng.standard_normal(shape).astype(s.dtype)
+        elif s.elem == TensorProto.BOOL:
+            feeds[s.name] = rng.integers(0, 2, shape).astype(bool)
+        elif "mask" in s.name.lower():
+            feeds[s.name] = np.ones(shape, dtype=s.dtype)
+        else:
+            feeds[s.name] = rng.integers(0, 2, shape).astype(s.dtype)
+    return feeds
+
+
+# --------------------------------------------------------------------------- shapes
+@dataclass
+class _Var:
+    """One dynamic size: a named dim (shared by every input that names it) or one
+    unnamed dim of one input."""
+    key: str
+    role: str
+    where: list = field(default_factory=list)   # (input name, axis)
+
+    @property
+    def candidates(self) -> list:
+        c = list(CANDIDATES[self.role])
+        return c + [1] if 1 not in c else c
+
+
+def _image_axes(s: Spec) -> list:
+    """Spatial axes of an NCHW/NCDHW (channels fixed at axis 1) or NHWC image input."""
+    r = len(s.dims)
+    if r not in (4, 5):
+        return []
+    if isinstance(s.dims[1], int) and s.dims[1] <= 4:
+        return list(range(2, r))
+    if isinstance(s.dims[-1], int) and s.dims[-1] <= 4 and not isinstance(s.dims[1], int):
+        return list(range(1, r - 1))
+    return []
+
+
+def _role(s: Spec, axis: int) -> str:
+    name = s.dims[axis] if isinstance(s.dims[axis], str) else ""
+    for role, rx in _ROLE_BY_NAME:
+        if name and rx.search(name):
+            return "tokens" if role == "length" and s.elem in INT_ELEMS else role
+    rank = len(s.dims)
+    if axis == 0 and rank >= 2:
+        return "batch"
+    if rank == 3 and axis == 1 and isinstance(s.dims[0], int) and isinstance(s.dims[2], int):
+        return "batch"  # RNN state [layers * directions, batch, hidden]
+    if axis in _image_axes(s):
+        return "spatial"
+    if s.elem in INT_ELEMS:
+        return "tokens" if rank >= 2 or axis > 0 else "batch"
+    if s.elem in FLOAT_ELEMS:
+        return "length"
+    return "other"
+
+
+def batch_positions(specs: list[Spec]) -> tuple:
+    """(input, axis) of every dynamic dim whose role is the batch: what changes when a
+    batch of another size is fed (an RNN state's batch axis too; fixed dims never)."""
+    return tuple((s.name, axis) for s in specs for axis, d in enumerate(s.dims)
+                 if not isinstance(d, int) and _role(s, axis) == "batch")
+
+
+def rebatch(feeds: dict, positions, batch: int) -> dict:
+    """`feeds` with every batch position (input, axis) repeated or cut to `batch`;
+    other inputs (a fixed-batch state, a scalar mode) stay as they are."""
+    out = dict(feeds)
+    for name, axis in positions:
+        x = out[name]
+        out[name] = np.take(x, np.arange(batch) % x.shape[axis], axis=axis)
+    return out
+
+
+@dataclass
+class InputPlan:
+    """Concrete shapes for every input, how they were found, and value hints."""
+    specs: list
+    shapes: dict
+    how: str
+    hints: dict = field(default_factory=dict)
+    batch_dims: tuple = ()               # (input, axis) that may take another batch size
+    trials: int = 0
+
+    @property
+    def batch_free(self) -> bool:
+        return bool(self.batch_dims)
+
+    def shapes_for_batch(self, batch: int | None) -> dict:
+        shapes = {n: list(s) for n, s in self.shapes.items()}
+        if batch is not None:
+            for name, axis in self.batch_dims:
+                shapes[name][axis] = batch
+        return {n: tuple(s) for n, s in shapes.items()}
+
+    def feeds(self, seed: int = 0, batch: int | None = None) -> dict:
+        return generate(self.specs, self.shapes_for_batch(batch), seed, self.hints)
+
+    def describe(self, batch: int | None = None) -> str:
+        return ", ".join(f"{n}:{dims_text(s)}" for n, s in self.shapes_for_batch(batch).items())
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:240]
+
+
+# One size at a time is tried for cheap roles first: a wrong length or state size is a
+# more common cause of failure than an image size, and image trials cost the most.
+_TRY_ORDER = ("other", "past", "length", "tokens", "batch", "spatial")
+
+
+def find_shapes(model: onnx.ModelProto, run, given=None, *, where: str = "<model>",
+                max_trials: int = MAX_TRIALS, seconds: float = TRIAL_SECONDS) -> InputPlan:
+    """Shapes that run. `run(feeds)` must raise when the model cannot run on `feeds`
+    (ONNX Runtime does); `given` are --shapes. Raises a GraphmpError naming --shapes
+    when no tried assignment runs. Every successful call of `run` is on a sensible
+    batch (seed 0 at the found shapes, then seed 1 at batch 2), so a caller that
+    calibrates can keep what those runs computed."""
+    specs = input_specs(model)
+    given = parse_shapes(given)
+    check_shapes(specs, given, where)
+    hints = value_hints(model)
+    fixed: dict = {}       # named dim -> size given by --shapes
+    for s in specs:
+        if s.name in given:
+            for d, v in zip(s.dims, given[s.name]):
+                if isinstance(d, str):
+                    if fixed.setdefault(d, v) != v:
+                        raise GraphmpError(f"{where}: --shapes gives dim '{d}' two sizes ({fixed[d]} and {v})")
+    variables: dict = {}
+    for s in specs:
+        if s.name in given:
+            continue
+        for axis, d in enumerate(s.dims):
+            if isinstance(d, int) or (isinstance(d, str) and d in fixed):
+                continue
+            key = d if isinstance(d, str) else f"{s.name}[{axis}]"
+            var = variables.setdefault(key, _Var(key, _role(s, axis)))
+            var.where.append((s.name, axis))
+    vars_ = list(variables.values())
+
+    def shapes_for(assign: dict) -> dict:
+        out = {}
+        for s in specs:
+            if s.name in given:
+                out[s.name] = tuple(given[s.name])
+                continue
+            shape = []
+            for axis, d in enumerate(s.dims):
+                if isinstance(d, int):
+                    shape.append(d)
+                elif isinstance(d, str) and d in fixed:
+                    shape.append(fixed[d])
+                else:
+                    shape.append(assign[d if isinstance(d, str) else f"{s.name}[{axis}]"])
+            out[s.name] = tuple(shape)
+        return out
+
+    if not vars_:
+        return InputPlan(specs, shapes_for({}), "given by --shapes" if given else "fixed by the model", hints)
+
+    t0 = time.perf_counter()
+    tried: list = []
+    errors: list = []
+
+    def attempt(assign, seed=0) -> bool:
+        key = tuple(sorted(assign.items()))
+        if key in tried:
+            return False
+        tried.append(key)
+        try:
+            run(generate(specs, shapes_for(assign), seed, hints))
+            return True
+        except Exception as e:  # noqa: BLE001 - any failure of a trial means "not these shapes"
+            errors.append(_first_line(e))
+            return False
+
+    def out_of_budget() -> bool:
+        return len(tried) >= max_trials or time.perf_counter() - t0 > seconds
+
+    base = {v.key: v.candidates[0] for v in vars_}
+    found = base if attempt(base) else None
+    if found is None:  # one size at a time, the others at their first choice
+        for v in sorted(vars_, key=lambda v: _TRY_ORDER.index(v.role)):
+            for c in v.candidates[1:]:
+                if out_of_budget():
+                    break
+                cand = dict(base, **{v.key: c})
+                if attempt(cand):
+                    found = cand
+                    break
+            if found is not None or out_of_budget():
+                break
+    if found is None:  # all sizes move together
+        for k in range(1, max(len(v.candidates) for v in vars_)):
+            if out_of_budget():
+                break
+            cand = {v.key: v.candidates[min(k, len(v.candidates) - 1)] for v in vars_}
+            if attempt(cand):
+                found = cand
+                break
+    if found is None:
+        dyn = ", ".join(s.name + s.show() for s in specs if any(not isinstance(d, int) for d in s.dims))
+        raise GraphmpError(f"{where}: could not find input shapes that run ({len(tried)} tried, e.g. "
+                           f"{shapes_for(base)}; ONNX Runtime said: {errors[0] if errors else '?'}). "
+                           f"Give them with --shapes NAME:DIMS,... for {dyn}, or pass real data (--calibration/--data)")
+    batch_vars = [v for v in vars_ if v.role == "batch"]
+    batch_free = bool(batch_vars) and attempt(dict(found, **{v.key: 2 for v in batch_vars}), seed=1)
+    n = len(tried)
+    dims = tuple(w for v in batch_vars for w in v.where) if batch_free else ()
+    return InputPlan(specs, shapes_for(found), f"found by {n} trial run{'s' if n > 1 else ''}", hints, dims, n)
