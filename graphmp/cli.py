@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
+import threading
 
 from . import __version__
 from .errors import GraphmpError
@@ -509,12 +511,24 @@ def _parser():
     return p
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where Python code runs so that temporary files are cleaned up
+    (by the same `finally`/`except` paths as Ctrl-C)."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     args.command_line = shlex.join(["graphmp", *(sys.argv[1:] if argv is None else argv)])  # recorded by bench
     if args.cmd is None:
         _parser().print_help()
         return 2
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return COMMANDS[args.cmd][1](args)
     except GraphmpError as e:
@@ -523,6 +537,12 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("graphmp: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except Terminated:
+        print("graphmp: terminated; nothing was written", file=sys.stderr)
+        return 143
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,8 @@ class NodeInfo:
     low_inputs: tuple = ()      # input positions that become low precision when lowered
     low_outputs: tuple = ()
     reason: str | None = None   # why it must stay FP32 (None: free to be lowered)
+    high_inputs: tuple = ()     # positions an FP16/BF16 source node computes in FP32 (--fp32-nodes)
+    high_outputs: tuple = ()
 
 
 @dataclass

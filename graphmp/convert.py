@@ -56,9 +56,6 @@ def run_pipeline(ctx, steps=PIPELINE) -> dict:
         if res is not None and res.details:
             target = ctx.report if key is None else ctx.report.setdefault(key, {})
             target.update(res.details)
-        if step is types.run and not any(t == FLOAT for d in ctx.types.values() for t in d.values()) \
-                and not ctx.options.fp32_nodes:
-            raise GraphmpError(f"{ctx.path}: the model has no FP32 tensors, so there is nothing to convert.")
     return timings
 
 

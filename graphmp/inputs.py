@@ -59,6 +59,9 @@ _ROLE_BY_NAME = [
 ]
 
 
+_PLACEHOLDER_NAMES = {"", "?", "-1", "None", "none", "dynamic", "unk"}
+
+
 @dataclass
 class Spec:
     """One real graph input: name, ONNX element type, dims (int, dim name, or None)."""
@@ -87,6 +90,8 @@ def input_specs(model: onnx.ModelProto) -> list[Spec]:
         for d in tt.shape.dim:
             if d.HasField("dim_value") and d.dim_value >= 0:
                 dims.append(int(d.dim_value))
+            elif d.dim_param in _PLACEHOLDER_NAMES:
+                dims.append(None)   # '?' on every axis is "unknown", not one shared size
             else:
                 dims.append(d.dim_param or None)
         specs.append(Spec(v.name, tt.elem_type, dims))

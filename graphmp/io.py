@@ -5,6 +5,9 @@
 - `save_model` writes atomically (temporary files, fsync, rename) and streams
   external data tensor by tensor, converting the ones marked for conversion on the
   way, so peak memory stays near the largest tensor.
+- Temporary files are named after the output and the writing process
+  (.graphmp-<output>-<pid>-*.tmp): an interrupted run removes its own; files left by a
+  killed run (SIGKILL, power loss) are removed by the next write to the same output.
 """
 from __future__ import annotations
 
@@ -172,6 +175,43 @@ def materialize(t: TensorProto, src_dir: str | None, convert_fn) -> None:
     t.raw_data = raw
 
 
+def _tmp_prefix(out_path: str) -> str:
+    return f".graphmp-{os.path.basename(out_path)}-{os.getpid()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temp_files(out_path: str) -> list[str]:
+    """Remove temporary files that a killed graphmp left while writing `out_path` (those
+    of a process that is still running are left alone). Returns the removed names."""
+    d = os.path.dirname(os.path.abspath(out_path))
+    head = f".graphmp-{os.path.basename(out_path)}-"
+    removed = []
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith(head) and name.endswith(".tmp")):
+            continue
+        pid = name[len(head):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            try:
+                os.unlink(os.path.join(d, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
 def _public(fd: int):
     """mkstemp files are 0600; give outputs the mode a normal file would get."""
     umask = os.umask(0)
@@ -190,11 +230,12 @@ def save_model(model: onnx.ModelProto, out_path: str, src_dir: str | None, conve
     out_path = os.path.abspath(out_path)
     d = os.path.dirname(out_path)
     data_name = os.path.basename(out_path) + ".data"
+    remove_stale_temp_files(out_path)
     tmp_files = []
     try:
         data_tmp = None
         if external:
-            fd, data_tmp = tempfile.mkstemp(prefix=".graphmp-", suffix=".data.tmp", dir=d)
+            fd, data_tmp = tempfile.mkstemp(prefix=_tmp_prefix(out_path), suffix=".data.tmp", dir=d)
             tmp_files.append(data_tmp)
             _public(fd)
             data_f = os.fdopen(fd, "wb")
@@ -230,7 +271,7 @@ def save_model(model: onnx.ModelProto, out_path: str, src_dir: str | None, conve
         blob = model.SerializeToString()
         if len(blob) >= TWO_GB:
             raise GraphmpError(f"{out_path}: the model is over 2 GB; write it with --external-data.")
-        fd, model_tmp = tempfile.mkstemp(prefix=".graphmp-", suffix=".onnx.tmp", dir=d)
+        fd, model_tmp = tempfile.mkstemp(prefix=_tmp_prefix(out_path), suffix=".onnx.tmp", dir=d)
         tmp_files.append(model_tmp)
         _public(fd)
         with os.fdopen(fd, "wb") as f:
@@ -257,7 +298,11 @@ def atomic_write(path: str, mode: str = "wb"):
     """Open a temporary file next to `path`; on success fsync it and rename it over
     `path`, on error remove it. Readers never see a half-written file."""
     d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".graphmp-", suffix=".tmp", dir=d)
+    remove_stale_temp_files(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=d)
+    except OSError as e:
+        raise GraphmpError(f"{path}: cannot write here ({e.strerror or e}); choose a writable path") from None
     _public(fd)
     try:
         with os.fdopen(fd, mode) as f:
@@ -274,19 +319,32 @@ def atomic_write(path: str, mode: str = "wb"):
 
 
 def write_json(path: str, data) -> None:
-    """Write JSON atomically."""
+    """Write JSON atomically (a GraphmpError naming the path when it cannot be written)."""
     import json
-    with atomic_write(path, "w") as f:
-        json.dump(data, f, indent=2, default=str)
+    try:
+        with atomic_write(path, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+    except OSError as e:
+        raise GraphmpError(f"{path}: could not write ({e.strerror or e}); nothing was written") from None
 
 
 def load_npz(path, what: str = ".npz", hint: str = "") -> dict:
     """All arrays of an .npz by name, or a GraphmpError naming the file."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise GraphmpError(f"{path}: no such file (expected an {what})")
     try:
-        with np.load(os.fspath(path)) as z:
+        z = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise GraphmpError(f"{path}: not a readable {what} ({str(e)[:160]}).{hint}") from None
+    if isinstance(z, np.ndarray):
+        raise GraphmpError(f"{path}: is an .npy file (one unnamed array); graphmp needs an {what} with one "
+                           f"array per name.{hint or ' Save one with numpy.savez(path, name=array).'}")
+    with z:
+        try:
             return {k: z[k] for k in z.files}
-    except (OSError, ValueError) as e:
-        raise GraphmpError(f"{path}: not a readable {what} ({e}).{hint}") from None
+        except (OSError, ValueError, EOFError) as e:
+            raise GraphmpError(f"{path}: not a readable {what} ({str(e)[:160]}).{hint}") from None
 
 
 def save_npz(path: str, arrays: dict) -> None:

@@ -28,11 +28,15 @@ def default_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
-def _last_version(op: str) -> int | None:
-    try:
-        return defs.get_schema(op, defs.onnx_opset_version(), "").since_version
-    except Exception:  # noqa: BLE001 - onnx raises SchemaError for unknown ops
-        return None
+def _last_opset(op: str, below: int) -> int | None:
+    """The last opset below `below` at which `op` has a schema (None: never had one)."""
+    for v in range(below - 1, 0, -1):
+        try:
+            defs.get_schema(op, v, "")
+            return v
+        except Exception:  # noqa: BLE001 - onnx raises SchemaError for unknown/removed ops
+            continue
+    return None
 
 
 def blockers(model: onnx.ModelProto, target: int) -> list[str]:
@@ -46,9 +50,10 @@ def blockers(model: onnx.ModelProto, target: int) -> list[str]:
             try:
                 defs.get_schema(n.op_type, target, "")
             except Exception:  # noqa: BLE001
-                last = _last_version(n.op_type)
-                out[n.op_type] = (f"{n.op_type} (no schema after opset {last})" if last
-                                  else f"{n.op_type} (not an ONNX op)")
+                last = _last_opset(n.op_type, target)
+                out[n.op_type] = (f"{n.op_type} (no schema after opset {last})" if last else
+                                  f"{n.op_type} (an experimental or removed op: onnx {onnx.__version__} has no "
+                                  "schema for it)")
     return list(out.values())
 
 

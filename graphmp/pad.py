@@ -95,6 +95,10 @@ def pad(src, dst=None, *, multiple: int = 8, stem: str = "auto", max_overhead: f
     (dynamic dims from `shapes` or a trial run) and record the max abs difference per output."""
     t0 = time.perf_counter()
     model, path, base_dir = open_model(src, dst)
+    if validate and shapes is not None:  # a bad --shapes is an error before anything is written
+        from .inputs import check_shapes, input_specs, parse_shapes
+        shapes = parse_shapes(shapes)
+        check_shapes(input_specs(model), shapes, path)
     rep = pad_model(model, base_dir, multiple, stem, max_overhead)
     rep.update(source=path, output=os.fspath(dst) if dst is not None else None)
     had_external = any(is_external(t) for g in iter_graphs(model.graph) for t in g.initializer)

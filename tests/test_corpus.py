@@ -78,3 +78,30 @@ def test_real_model_converts_and_matches(path, tmp_path):
             assert o["max_abs"] <= 1e-6 * o["ref_max_abs"], (name, o)
         if o["argmax_agree"] is not None:
             assert o["argmax_agree"] >= 0.95, (name, o)
+
+
+# With --shapes, through the command line, the way a user runs it: a valid model that
+# ONNX Runtime loads, --validate passing, and float weights about halved (Silero keeps
+# its loud encoder convs FP32 under the range rule, so its bound is looser).
+WITH_SHAPES = {
+    "silero_vad": ("input:1x512,state:2x1x128,sr:", 0.90),
+    "ppocrv4_det": ("x:1x3x64x96", 0.55),
+    "aecmos_gru": ("input:1x3x32x160", 0.52),
+    "ppocr_mobile_v2_cls": ("x:2x3x48x192", 0.60),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WITH_SHAPES))
+def test_real_model_with_shapes_via_cli(name, tmp_path, capsys):
+    from graphmp.check import validity
+    from graphmp.cli import main
+    shapes, max_ratio = WITH_SHAPES[name]
+    path = os.path.join(ROOT, "models", "real", name + ".onnx")
+    out, rep = str(tmp_path / "o.onnx"), str(tmp_path / "r.json")
+    assert main(["convert", path, "-o", out, "--shapes", shapes, "--validate", "--report", rep, "-q"]) == 0, \
+        capsys.readouterr().err
+    assert validity(out, path)["valid"]
+    d = __import__("json").load(open(rep))
+    assert d["calibration"]["tensors_observed"] > 0 and shapes.split(",")[0] in d["calibration"]["shapes"][0]
+    assert d["validation"]["passed"] and d["validation"]["validity"]["valid"]
+    assert d["weight_bytes_after"] <= max_ratio * d["weight_bytes_before"], (d["weight_bytes_after"], d["weight_bytes_before"])

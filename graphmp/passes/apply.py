@@ -140,12 +140,15 @@ def apply(ctx):
     low = ctx.low
     graphs = list(ctx.root.walk())
 
-    # 1. produced types of lowered nodes' outputs, and of main-graph inputs without keep-io
+    # 1. produced types of lowered (and raised) nodes' outputs, and of main-graph inputs without keep-io
     for g in graphs:
         for n in g.nodes:
+            info = ctx.info[id(n)]
             if id(n) in ctx.lowered:
-                for i in ctx.info[id(n)].low_outputs:
+                for i in info.low_outputs:
                     rw.produced[(g.key, n.outputs[i])] = low
+            for i in info.high_outputs:
+                rw.produced[(g.key, n.outputs[i])] = FLOAT
     if not ctx.options.keep_io_types:
         for v in ctx.root.proto.input:
             if ctx.types["main"].get(v.name) == FLOAT:
@@ -158,10 +161,11 @@ def apply(ctx):
         for n in g.nodes:
             lowered = id(n) in ctx.lowered
             low_in = set(ctx.info[id(n)].low_inputs) if lowered else set()
+            high_in = set(ctx.info[id(n)].high_inputs)
             for i, x in enumerate(n.inputs):
                 if not x:
                     continue
-                want = low if i in low_in else ctx.type_of(g, x)
+                want = low if i in low_in else FLOAT if i in high_in else ctx.type_of(g, x)
                 needs.append((g, n, i, x, want))
 
     # 3. initializers wanted in low precision: in place, or a second copy
@@ -187,11 +191,11 @@ def apply(ctx):
         for v in g.proto.output:
             y = v.name
             declared = ctx.types[g.key].get(y)
+            if g is ctx.root and not ctx.options.keep_io_types and declared == FLOAT:
+                declared = low  # every float graph output in the low type, a Cast at the boundary
+                v.type.tensor_type.elem_type = low
             cur = rw.ptype(g, y)
             if cur == declared or declared is None:
-                continue
-            if g is ctx.root and not ctx.options.keep_io_types:
-                v.type.tensor_type.elem_type = cur
                 continue
             p = rw.prods[g.key].get(y)
             if p is None:  # a subgraph output naming an outer-scope value

@@ -31,6 +31,7 @@ from onnx import TensorProto
 
 from .. import ops
 from ..context import FLOAT, NodeInfo
+from ..errors import GraphmpError
 from ..io import tensor_array
 from . import PassResult
 
@@ -40,7 +41,19 @@ BF16_MAX = 3.3895e38
 SMALL_CONST = 64                # initializers this small are constants (eps, scales, masks)
 
 
-def _schema_info(ctx, g, n, cls) -> NodeInfo:
+def _raised(schema, n, ins, outs, var_types) -> NodeInfo | None:
+    """--fp32-nodes on a node of an FP16/BF16 source: the positions it reads and writes
+    in FP32 (Casts around it), where the schema allows FLOAT."""
+    up = {v for v, ts in var_types.items()
+          if ts <= {TensorProto.FLOAT16, TensorProto.BFLOAT16} and ops.allows(schema, v, FLOAT)}
+    if not up:
+        return None
+    return NodeInfo(cls="fp32", reason="user: --fp32-nodes (computed in FP32 in an FP16 model)",
+                    high_inputs=tuple(i for i, ts in enumerate(ins) if ts in up and n.inputs[i]),
+                    high_outputs=tuple(i for i, ts in enumerate(outs) if ts in up and n.outputs[i]))
+
+
+def _schema_info(ctx, g, n, cls, raise_to_fp32=False) -> NodeInfo:
     low = ctx.low
     if cls == "fixed" or n.domain not in ("", "ai.onnx"):
         return NodeInfo(cls=cls)
@@ -55,6 +68,9 @@ def _schema_info(ctx, g, n, cls) -> NodeInfo:
         if ts is not None and t != 0 and ts not in ops.STR_TYPE:
             var_types.setdefault(ts, set()).add(t)
     if not any(FLOAT in v for v in var_types.values()):
+        raised = _raised(schema, n, ins, outs, var_types) if raise_to_fp32 else None
+        if raised is not None:
+            return raised
         if any(None in v for v in var_types.values()) and any(t == FLOAT for t in types_in):
             return NodeInfo(cls=cls, reason="type of an output could not be proven (shape inference incomplete)")
         return NodeInfo(cls="none")
@@ -124,7 +140,7 @@ def classify(ctx):
     lim = FP16_MAX if opt.target == "fp16" else BF16_MAX
     for g, n in ctx.nodes():
         cls = ops.op_class(n.op_type, n.domain)
-        info = _schema_info(ctx, g, n, cls)
+        info = _schema_info(ctx, g, n, cls, raise_to_fp32=bool(fp32_re and fp32_re.search(n.name)))
         ctx.info[id(n)] = info
         if info.cls == "none":
             continue
@@ -178,6 +194,13 @@ def classify(ctx):
 
 
 def run(ctx) -> PassResult:
+    """Also refuses a model with nothing to do: no FP32 work to lower and no FP16 node
+    that --fp32-nodes raises."""
     classify(ctx)
     fp32 = sum(1 for i in ctx.info.values() if i.reason)
-    return PassResult(changed=False, details={"nodes_that_must_stay_fp32": fp32})
+    raised = sum(1 for i in ctx.info.values() if i.high_inputs or i.high_outputs)
+    if not raised and not any(t == FLOAT for d in ctx.types.values() for t in d.values()):
+        raise GraphmpError(f"{ctx.path}: the model has no FP32 tensors, so there is nothing to convert"
+                           + ("; --fp32-nodes matched no FP16 node" if ctx.options.fp32_nodes else "")
+                           + " (to compute FP16 nodes in FP32, name them with --fp32-nodes REGEX)")
+    return PassResult(changed=False, details={"nodes_that_must_stay_fp32": fp32, "nodes_raised_to_fp32": raised})

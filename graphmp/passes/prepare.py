@@ -3,7 +3,7 @@
 Needs: ctx.model (as loaded), ctx.path for messages.
 Guarantees afterwards (ctx.model, ctx.names and the IR ctx.root):
 - the default-domain opset is >= 7, the oldest ONNX Runtime runs (older models are
-  upgraded step by step, or a GraphmpError names the op that stops the upgrade);
+  upgraded step by step to 9, or a GraphmpError names the op that stops the upgrade);
 - initializers are not also graph inputs (IR < 4 style); they are constants;
 - float Constant nodes are initializers (so weights are converted offline);
 - every node in every graph has a unique name;
@@ -24,6 +24,9 @@ from . import PassResult
 from ..opset import default_opset, upgrade
 
 MIN_OPSET = 7  # ONNX Runtime guarantees opset 7 and above
+# Older models go to 9, not 7: onnx's Reshape-1 -> 5 adapter writes the shape as an int64
+# Constant, which Constant only accepts from opset 9.
+UPGRADE_TO = 9
 
 
 def initializers_out_of_inputs(model) -> int:
@@ -117,9 +120,9 @@ def run(ctx) -> PassResult:
     details = {}
     v = default_opset(ctx.model)
     if 0 < v < MIN_OPSET:
-        ctx.model = upgrade(ctx.model, MIN_OPSET, ctx.path)
-        details["opset_upgraded"] = [v, MIN_OPSET]
-        ctx.warn(f"upgraded opset {v} -> {MIN_OPSET} (ONNX Runtime runs opset >= {MIN_OPSET})")
+        ctx.model = upgrade(ctx.model, UPGRADE_TO, ctx.path)
+        details["opset_upgraded"] = [v, UPGRADE_TO]
+        ctx.warn(f"upgraded opset {v} -> {UPGRADE_TO} (ONNX Runtime runs opset >= {MIN_OPSET})")
     details["initializers_removed_from_inputs"] = initializers_out_of_inputs(ctx.model)
     if details["initializers_removed_from_inputs"]:
         ctx.warn(f"{details['initializers_removed_from_inputs']} initializers were also graph inputs; "

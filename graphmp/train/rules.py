@@ -19,6 +19,9 @@ from .autodiff import FLOAT_TYPES, Emitter, _Rule, attr
 
 RULES: dict[str, _Rule] = {}
 
+#: ops whose gradient rule emits ops of a newer opset than 13 (train-graph upgrades to it)
+NEEDS_OPSET = {"MaxPool": 16, "Gather": 16}  # ScatterElements / ScatterND with reduction='add'
+
 #: ops whose float outputs have zero derivative (or no derivative): never on a gradient path
 ZERO_GRAD = {
     "Shape", "Size", "Sign", "Floor", "Ceil", "Round", "IsNaN", "IsInf", "ArgMax", "ArgMin",

@@ -301,6 +301,14 @@ def _label_spec(cfg, out_dims, path):
     return shape, elem
 
 
+def _needed_opset(model) -> int:
+    """The opset the gradient rules need for this model: 13, or more for ops whose
+    gradient uses a newer op (rules.NEEDS_OPSET)."""
+    from .rules import NEEDS_OPSET
+    ops = {n.op_type for g in iter_graphs(model.graph) for n in g.node}
+    return max([MIN_OPSET] + [v for op, v in NEEDS_OPSET.items() if op in ops])
+
+
 def _calibration_batch(src, base_dir, shapes, path, label_name, label_dims, label_elem, state) -> dict:
     """One generated batch for the mixed conversion of the step's forward: the model's
     inputs (shapes that run, batch 2 where the model allows it), zero labels of the
@@ -356,7 +364,7 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
     if any(p.key == "graphmp" for p in src.metadata_props):
         raise GraphmpError(f"{path}: this model was already converted by graphmp; build the training step "
                            "from the FP32 source model (precision='mixed' converts it for you).")
-    src = upgrade(src, MIN_OPSET, path)  # the gradient rules are written for opset >= 13
+    src = upgrade(src, _needed_opset(src), path)
     initializers_out_of_inputs(src)
     base = os.path.dirname(os.path.abspath(path))
     values = {t.name: np.array(tensor_array(t, base)) for t in src.graph.initializer}

@@ -1,0 +1,85 @@
+"""The validator tells the truth: a model that fails the full onnx.checker or that ONNX
+Runtime refuses is a FAIL (exit 1) before any numbers, in `check`, `convert --validate`
+and `pad --validate`; a valid model is compared numerically as before."""
+import json
+import os
+import shutil
+
+import onnx
+import pytest
+from onnx import TensorProto
+
+import graphmp
+from graphmp.check import check, validity
+from graphmp.cli import main
+from graphmp.oracle import run_reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MNIST = os.path.join(ROOT, "models", "real", "mnist_cntk.onnx")
+
+
+@pytest.fixture
+def pair(tmp_path):
+    src = str(tmp_path / "mnist.onnx")
+    shutil.copy(MNIST, src)
+    out = str(tmp_path / "mnist.mp.onnx")
+    graphmp.convert(src, out)
+    return src, out
+
+
+def _type_broken(out, tmp_path):
+    """The converted model with its first Conv weight stored FLOAT while the Conv reads
+    FP16 data (what weights left FP32 inside If branches looked like). onnx.reference
+    computes it anyway; the checker and ONNX Runtime refuse it."""
+    m = onnx.load(out)
+    conv = next(n for n in m.graph.node if n.op_type == "Conv")
+    w = next(t for t in m.graph.initializer if t.name == conv.input[1])
+    assert w.data_type == TensorProto.FLOAT16
+    w.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(w).astype("float32"), w.name))
+    bad = str(tmp_path / "broken.onnx")
+    onnx.save(m, bad)
+    return bad, m
+
+
+def test_type_broken_model_fails_before_any_numbers(pair, tmp_path):
+    src, out = pair
+    bad, m = _type_broken(out, tmp_path)
+    feeds = {"Input3": __import__("numpy").zeros((1, 1, 28, 28), "float32")}
+    run_reference(m, feeds)  # the oracle alone would have called this model fine
+    rep = check(src, bad)
+    assert not rep.passed and rep.outputs == {}
+    v = rep.to_dict()["validity"]
+    assert not v["valid"] and v["checker"] != "ok" and v["ort"] != "ok"
+    assert "INVALID" in rep.summary()
+
+
+def test_check_cli_exit_1_on_invalid_model(pair, tmp_path, capsys):
+    src, out = pair
+    bad, _ = _type_broken(out, tmp_path)
+    rc = main(["check", src, bad, "--json", str(tmp_path / "c.json")])
+    text = capsys.readouterr().out
+    assert rc == 1 and "FAIL" in text and "INVALID" in text
+    assert json.load(open(tmp_path / "c.json"))["validity"]["valid"] is False
+    assert main(["check", src, out]) == 0
+
+
+def test_valid_model_is_valid(pair):
+    src, out = pair
+    v = validity(out, src)
+    assert v == {"checker": "ok", "ort": "ok", "note": None, "valid": True}
+
+
+def test_pad_validate_rejects_an_invalid_padded_model(pair, tmp_path):
+    from graphmp.pad import validate_padding
+    src, out = pair
+    bad, _ = _type_broken(out, tmp_path)
+    v = validate_padding(src, bad)
+    assert not v["validity"]["valid"] and v["outputs"] == {}
+
+
+def test_convert_validate_on_an_already_converted_model(pair, tmp_path, capsys):
+    _, out = pair
+    rc = main(["convert", out, "-o", str(tmp_path / "again.onnx"), "--validate", "-q"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "--validate skipped" in err and "graphmp check" in err
+    assert "Traceback" not in err
