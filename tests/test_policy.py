@@ -121,3 +121,33 @@ def test_input_model_object_is_not_modified():
     before = m.SerializeToString()
     graphmp.convert(m, None)
     assert m.SerializeToString() == before
+
+
+def test_fp16_model_with_fp32_nodes_computes_them_in_fp32():
+    """An FP16 end-to-end model (no FP32 tensor) is refused without --fp32-nodes (nothing
+    to do) and, with it, gets the named node computed in FP32 behind Casts; I/O stay FP16."""
+    from graphmp.errors import GraphmpError
+    nph = numpy_helper
+    rng = np.random.default_rng(0)
+    w = nph.from_array((rng.standard_normal((16, 16)) * 0.25).astype(np.float16), "W")
+    g = oh.make_graph([oh.make_node("MatMul", ["x", "W"], ["a"], name="mm"),
+                       oh.make_node("Softmax", ["a"], ["s"], name="sm", axis=-1),
+                       oh.make_node("MatMul", ["s", "W"], ["y"], name="mm2")], "g",
+                      [oh.make_tensor_value_info("x", TP.FLOAT16, ["N", 16])],
+                      [oh.make_tensor_value_info("y", TP.FLOAT16, ["N", 16])], [w])
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)])
+    m.ir_version = 8
+    with pytest.raises(GraphmpError, match="no FP32 tensors.*--fp32-nodes"):
+        graphmp.convert(m, None)
+    rep = graphmp.convert(m, None, fp32_nodes="^sm$")
+    out = rep.model
+    onnx.checker.check_model(out, full_check=True)
+    prod = {o: n for n in out.graph.node for o in n.output}
+    sm = next(n for n in out.graph.node if n.name == "sm")
+    up, down = prod[sm.input[0]], next(n for n in out.graph.node if sm.output[0] in n.input)
+    assert (up.op_type, up.attribute[0].i) == ("Cast", TP.FLOAT) and (down.op_type, down.attribute[0].i) == ("Cast", TP.FLOAT16)
+    assert out.graph.input[0].type.tensor_type.elem_type == out.graph.output[0].type.tensor_type.elem_type == TP.FLOAT16
+    assert rep.fp32_nodes == {"sm": "user: --fp32-nodes (computed in FP32 in an FP16 model)"}
+    x = rng.standard_normal((2, 16)).astype(np.float16)
+    assert np.abs(run_reference(out, {"x": x})["y"].astype(np.float32)
+                  - run_reference(m, {"x": x})["y"].astype(np.float32)).max() < 2e-3
