@@ -12,23 +12,23 @@ import os
 import time
 
 from . import __version__
-from .context import FLOAT, Ctx, Options
+from .context import Ctx, Options
 from .errors import GraphmpError
 from .io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model,
                  save_model, tensor_nbytes)
-from .passes import apply, calibrate, classify, paint, prepare, types
+from .passes import PassResult, apply, calibrate, classify, paint, prepare, types
 from .passes.apply import to_low
 
 MARK_KEY = "graphmp"
 
 
-def _sort(ctx):
+def sort(ctx) -> PassResult:
     """Every graph topologically sorted (outer-scope captures count as inputs) and
-    written back into the model."""
+    written back into the model: the output always passes the checker's order rule."""
     for g in ctx.root.walk():
         g.toposort(ctx.path)
     ctx.root.write_back()
-    return None
+    return PassResult(changed=True)
 
 
 # (report key, pass). A pass's details go into the report under its key (None: top level).
@@ -40,7 +40,7 @@ PIPELINE = [
     ("classify", classify.run),                      # op class; why a node must stay FP32
     ("paint", paint.run),                            # which nodes run in the low type
     (None, apply.run),                               # Casts, converted weights
-    ("sort", _sort),                                 # topological order, written back
+    ("sort", sort),                                  # topological order, written back
 ]
 
 
@@ -48,7 +48,7 @@ def run_pipeline(ctx, steps=PIPELINE) -> dict:
     """Run the passes in order; returns {pass name: seconds}."""
     timings = {}
     for key, step in steps:
-        name = step.__module__.rsplit(".", 1)[-1] + "." + step.__name__ if key != "sort" else "sort"
+        name = f"{step.__module__.rsplit('.', 1)[-1]}.{step.__name__}"
         ctx.log(name)
         t = time.perf_counter()
         res = step(ctx)

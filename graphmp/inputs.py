@@ -34,8 +34,8 @@ import onnx
 from onnx import TensorProto
 
 from .errors import GraphmpError
+from .ops import FLOAT_TYPES
 
-FLOAT_ELEMS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
 INT_ELEMS = (TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8,
              TensorProto.UINT64, TensorProto.UINT32, TensorProto.UINT16, TensorProto.UINT8)
 
@@ -211,7 +211,7 @@ def generate(specs: list[Spec], shapes: dict, seed: int = 0, hints: dict | None 
         shape = tuple(shapes[s.name])
         if s.name in hints:
             feeds[s.name] = np.full(shape, hints[s.name], dtype=s.dtype)
-        elif s.elem in FLOAT_ELEMS and s.elem != TensorProto.BFLOAT16:
+        elif s.elem in FLOAT_TYPES and s.elem != TensorProto.BFLOAT16:
             feeds[s.name] = rng.standard_normal(shape).astype(s.dtype)
         elif s.elem == TensorProto.BOOL:
             feeds[s.name] = rng.integers(0, 2, shape).astype(bool)
@@ -263,7 +263,7 @@ def _role(s: Spec, axis: int) -> str:
         return "spatial"
     if s.elem in INT_ELEMS:
         return "tokens" if rank >= 2 or axis > 0 else "batch"
-    if s.elem in FLOAT_ELEMS:
+    if s.elem in FLOAT_TYPES:
         return "length"
     return "other"
 

@@ -1,7 +1,7 @@
 """Precision policy: which ONNX ops run in FP16, which stay FP32, and what the
 ONNX schemas allow.
 
-Op classes (see DESIGN.md):
+Op classes (the precision policy of the project's design notes):
   fp16    compute Tensor Cores accelerate
   fp32    reductions and range-sensitive math
   follow  runs in the precision of its neighbourhood

@@ -33,6 +33,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..io import iter_graphs, tensor_array
 from ..ir import Names
+from ..ops import FLOAT_TYPES
+from ..opset import default_opset
 from .types import _skeleton
 
 UNARY = {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Elu", "Selu", "Celu",
@@ -40,7 +42,6 @@ UNARY = {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "El
          "ThresholdedRelu", "Sin", "Cos", "Floor", "Ceil", "Round", "Sign", "Mish"}
 BINARY_FILL = {"Add": 0.0, "Sub": 0.0, "Mul": 0.0, "Max": 0.0, "Min": 0.0, "PRelu": 0.0, "Div": 1.0}
 POOLS = {"MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "LpPool", "GlobalLpPool"}
-FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Padder:
         self.stem = stem
         self.max_overhead = max_overhead
         self.names = Names(model)
-        self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+        self.opset = default_opset(model) or 13
         declared = {v.name for v in self.g.input}
         # an initializer that is also a graph input can be overridden by the caller: not a weight
         self.inits = {t.name: t for t in self.g.initializer if t.name not in declared}
@@ -477,7 +478,7 @@ class Padder:
     def on_unary(self, idx, n, ins):
         if ins[0] is None or any(o for o in n.output[1:]):
             return
-        if n.op_type == "Cast" and self.attr(n, "to") not in FLOATS:
+        if n.op_type == "Cast" and self.attr(n, "to") not in FLOAT_TYPES:
             return
         lay = ins[0]
         self.use(n, 0)

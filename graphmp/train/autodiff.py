@@ -28,16 +28,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GraphmpError
+from ..ops import FLOAT_TYPES
+from ..opset import default_opset
 
-FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
 MIN_OPSET = 13
-
-
-def _opset(model: onnx.ModelProto) -> int:
-    for op in model.opset_import:
-        if op.domain in ("", "ai.onnx"):
-            return op.version
-    return 0
 
 
 def _dims(vtype) -> list | None:
@@ -86,7 +80,7 @@ class Emitter:
 
     def __init__(self, model: onnx.ModelProto, info: dict, prefix: str, active=frozenset()):
         self.graph = model.graph
-        self.opset = _opset(model)
+        self.opset = default_opset(model)
         self.info = info
         self.prefix = prefix
         self.active = active
@@ -288,7 +282,7 @@ def add_backward(model: onnx.ModelProto, loss: str, wrt: Sequence[str], *, seed:
     A w that does not reach `loss` gets a zero gradient of its own shape and dtype."""
     from .rules import RULES, ZERO_GRAD
 
-    opset = _opset(model)
+    opset = default_opset(model)
     if opset < MIN_OPSET:
         raise GraphmpError(f"add_backward: the model's opset is {opset}; gradients need opset >= "
                            f"{MIN_OPSET} (convert it with onnx.version_converter first)")
@@ -373,7 +367,7 @@ def training_forward(model: onnx.ModelProto, *, momentum: float | None = None) -
     momentum: the argument, else the node's attribute, else 0.9.
     Dropout -> training_mode=True with a mask output (its gradient uses the mask).
     Returns {running mean/var name: updated tensor name}."""
-    opset = _opset(model)
+    opset = default_opset(model)
     if opset < MIN_OPSET:
         raise GraphmpError(f"training_forward: opset {opset} < {MIN_OPSET}; convert the model first")
     info = tensor_info(model)

@@ -15,7 +15,8 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from ..errors import GraphmpError
-from .autodiff import FLOAT_TYPES, Emitter, _Rule, attr
+from ..ops import FLOAT_TYPES
+from .autodiff import Emitter, _Rule, attr
 
 RULES: dict[str, _Rule] = {}
 
