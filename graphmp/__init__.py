@@ -4,7 +4,7 @@
     graphmp.check("model.onnx", "model.mp.onnx")     # FP16-faithful accuracy check
     graphmp.bench("model.onnx").table()              # FP32 vs TF32 vs mixed FP16: speed and accuracy
 """
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402
 
 from .errors import GraphmpError  # noqa: E402
 from .convert import ConvertReport, convert  # noqa: E402

@@ -77,8 +77,9 @@ from datetime import datetime, timezone
 import numpy as np
 import onnx
 
-from . import __version__
+from .version import __version__
 from .check import check, compare
+from .convert import convert
 from .errors import GraphmpError
 from .inputs import batch_positions, check_feeds, find_shapes, input_specs, rebatch
 from .io import atomic_write, load_model, load_npz, model_weight_bytes, write_json
@@ -564,7 +565,6 @@ def _run(path, graph, converted, backends, precisions, batches, data, base_feeds
     elif converted is not None:
         models["fp16"] = os.fspath(converted)
     else:
-        from .convert import convert
         if progress:
             print(f"bench: converting {path} with graphmp.convert", file=sys.stderr)
         dst = os.path.join(work, stem + ".mp.onnx")

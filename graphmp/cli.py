@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from . import __version__
+from .version import __version__
 from .errors import GraphmpError
 from .io import check_writable, write_json
 

@@ -11,7 +11,7 @@ import json
 import os
 import time
 
-from . import __version__
+from .version import __version__
 from .context import Ctx, Options
 from .errors import GraphmpError
 from .io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model,

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import onnx
 
-from . import __version__
+from .version import __version__
 from .errors import GraphmpError
 from .io import is_external, iter_graphs, load_model, materialize, model_weight_bytes, open_model, save_model
 from .ir import Names, name_nodes
