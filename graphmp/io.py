@@ -244,8 +244,16 @@ def save_model(model: onnx.ModelProto, out_path: str, src_dir: str | None, conve
         for i, t in enumerate(tensors):
             if progress and i % 50 == 0:
                 progress(i, len(tensors))
-            if external and is_external(t) and not t.doc_string.startswith(CONVERT_MARK):
-                raw = tensor_array(t, src_dir).tobytes()  # copied as it is, one tensor at a time
+            if external and is_external(t):
+                # source file -> data file, one tensor at a time, converted on the way where
+                # marked; the bytes never enter the proto (protobuf keeps cleared bytes)
+                raw = tensor_array(t, src_dir)
+                if t.doc_string.startswith(CONVERT_MARK):
+                    elem, raw = convert_fn(raw, int(t.doc_string[len(CONVERT_MARK):]))
+                    t.data_type = elem
+                    t.ClearField("doc_string")
+                else:
+                    raw = raw.tobytes()
             else:
                 materialize(t, src_dir, convert_fn)
                 if not external or tensor_nbytes(t) <= INLINE_LIMIT or t.data_type == TensorProto.STRING:
