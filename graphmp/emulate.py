@@ -1,0 +1,170 @@
+"""FP16 emulation at ONNX Runtime speed.
+
+`emulation_model(mixed)` rewrites a mixed-precision model (FP16/BF16 tensors anywhere,
+subgraphs included) as an all-FP32 graph in which every low-precision value is rounded
+where it is produced: `y = Cast(Cast(y_fp32, to=FLOAT16), to=FLOAT)`. ONNX Runtime keeps
+such round trips at every optimisation level (unlike the Casts it inserts itself around
+FP16 ops on the CPU, which it removes), so the emulated model shows FP16 rounding,
+overflow to inf and underflow to zero, at the speed of an FP32 run.
+
+Semantics, "FP16 storage, FP32 math": each op reads the FP16-rounded values of its
+inputs, computes in FP32, and its FP16 outputs are rounded once. That is what Tensor
+Cores do for Conv/MatMul/Gemm (FP32 accumulation) and what most CUDA FP16 kernels do for
+elementwise work. onnx.reference (graphmp.oracle.run_reference) instead does every
+arithmetic step in FP16 numpy, so it accumulates long reductions in FP16: its errors are
+larger on large K. The two agree on rounding, overflow and underflow at op boundaries;
+tests/test_emulate.py holds them against each other.
+
+Used where many evaluations are needed (the precision search) or where the reference
+evaluator is too slow (large models).
+"""
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .io import attr_graphs, iter_graphs, tensor_array
+from .ir import Names
+
+LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+FLOAT = TensorProto.FLOAT
+# ops whose output type comes from an attribute: set it to FLOAT, round the output
+_DTYPE_ATTR = {"RandomNormal": "dtype", "RandomUniform": "dtype", "RandomNormalLike": "dtype",
+               "RandomUniformLike": "dtype", "EyeLike": "dtype", "Multinomial": None, "Bernoulli": "dtype"}
+
+
+def _types(model) -> dict:
+    """{graph key: {tensor: elem type}} for every graph, by onnx shape inference on a copy
+    of the model without its large weights."""
+    skel = onnx.ModelProto()
+    skel.CopyFrom(model)
+    for g in iter_graphs(skel.graph):
+        for t in g.initializer:
+            if t.data_location == TensorProto.EXTERNAL or len(t.raw_data) > 4096:
+                dims, dt, name = list(t.dims), t.data_type, t.name
+                t.Clear()
+                t.name, t.data_type = name, dt
+                t.dims.extend(dims)
+                t.raw_data = b""
+    try:
+        skel = onnx.shape_inference.infer_shapes(skel, check_type=False, strict_mode=False)
+    except Exception:  # noqa: BLE001 - fall back on the declared types only
+        pass
+    out: dict = {}
+
+    def collect(g, key):
+        types = {}
+        for v in list(g.input) + list(g.output) + list(g.value_info):
+            if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type:
+                types[v.name] = v.type.tensor_type.elem_type
+        types.update({t.name: t.data_type for t in g.initializer})
+        for n in g.node:
+            if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+                types[n.output[0]] = n.attribute[0].t.data_type
+        out[key] = types
+        for i, n in enumerate(g.node):
+            for a in n.attribute:
+                for j, sg in enumerate(attr_graphs(a)):
+                    collect(sg, f"{key}/{i}.{a.name}{j or ''}")
+    collect(skel.graph, "main")
+    return out
+
+
+class _Rewriter:
+    def __init__(self, model, types, base_dir):
+        self.names = Names(model)
+        self.types = types
+        self.base_dir = base_dir
+
+    def round_node(self, x: str, y: str, low: int):
+        """y = x rounded to `low` and back to FP32."""
+        mid = self.names.fresh(f"{y}__emu_low")
+        return [helper.make_node("Cast", [x], [mid], to=low, name=self.names.fresh("emu_cast_low")),
+                helper.make_node("Cast", [mid], [y], to=FLOAT, name=self.names.fresh("emu_cast_up"))]
+
+    def graph(self, g, key):
+        types = self.types.get(key, {})
+        for t in g.initializer:
+            if t.data_type in LOW:
+                arr = tensor_array(t, self.base_dir)
+                if t.data_type == TensorProto.BFLOAT16:
+                    arr = (arr.astype("uint32") << 16).view("float32")
+                t.CopyFrom(numpy_helper.from_array(arr.astype("float32"), t.name))
+        for v in list(g.input) + list(g.output):
+            if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type in LOW:
+                v.type.tensor_type.elem_type = FLOAT
+        del g.value_info[:]
+        nodes = []
+        for i, n in enumerate(g.node):
+            for a in n.attribute:
+                for j, sg in enumerate(attr_graphs(a)):
+                    self.graph(sg, f"{key}/{i}.{a.name}{j or ''}")
+            nodes.extend(self.node(n, types))
+        del g.node[:]
+        g.node.extend(nodes)
+
+    def node(self, n, types) -> list:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value" \
+                and n.attribute[0].t.data_type in LOW:
+            t = n.attribute[0].t
+            arr = numpy_helper.to_array(t)
+            if t.data_type == TensorProto.BFLOAT16:
+                arr = (arr.view("uint16").astype("uint32") << 16).view("float32")
+            t.CopyFrom(numpy_helper.from_array(arr.astype("float32"), t.name))
+            return [n]
+        if n.op_type == "ConstantOfShape":
+            for a in n.attribute:
+                if a.name == "value" and a.t.data_type in LOW:
+                    a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype("float32"), a.t.name))
+        attr = _DTYPE_ATTR.get(n.op_type)
+        for a in n.attribute:
+            if attr and a.name == attr and a.i in LOW:
+                a.i = FLOAT
+        low_out = []
+        if n.op_type == "Cast":
+            to = next(a for a in n.attribute if a.name == "to")
+            if to.i in LOW:
+                low_out = [(0, to.i)]
+        else:
+            low_out = [(k, types[y]) for k, y in enumerate(n.output) if y and types.get(y) in LOW]
+        if not low_out:
+            return [n]
+        extra = []
+        for k, low in low_out:
+            y = n.output[k]
+            raw = self.names.fresh(f"{y}__emu_fp32")
+            n.output[k] = raw
+            if n.op_type == "Cast":  # the Cast to FP16 itself is the rounding
+                n.attribute[0].i = low
+                extra.append(helper.make_node("Cast", [raw], [y], to=FLOAT, name=self.names.fresh("emu_cast_up")))
+            else:
+                extra.extend(self.round_node(raw, y, low))
+        return [n] + extra
+
+
+def emulation_model(model: onnx.ModelProto, base_dir: str | None = None) -> onnx.ModelProto:
+    """An all-FP32 copy of `model` whose FP16/BF16 values are rounded where produced (see
+    the module docstring). Low-precision graph inputs become FP32 inputs (feed the same
+    values); low-precision outputs come back as FP32 holding the rounded values."""
+    types = _types(model)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    _Rewriter(out, types, base_dir).graph(out.graph, "main")
+    return out
+
+
+def emulated_runner(model, base_dir: str | None = None):
+    """feeds -> {output: array} for the emulation of `model` (a path or ModelProto) on ONNX
+    Runtime CPU; FP16 feeds are passed as FP32 (their values are exact in FP32)."""
+    from .oracle import runner
+    if not isinstance(model, onnx.ModelProto):
+        import os
+        base_dir = os.path.dirname(os.path.abspath(os.fspath(model)))
+        model = onnx.load(os.fspath(model), load_external_data=False)
+    run = runner(emulation_model(model, base_dir), base_dir=base_dir)
+
+    def emulated(feeds: dict) -> dict:
+        return run({k: (v.astype("float32") if getattr(v, "dtype", None) == "float16" else v)
+                    for k, v in feeds.items()})
+    emulated.session = run.session
+    return emulated
