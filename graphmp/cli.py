@@ -27,6 +27,16 @@ examples:
   graphmp convert model.onnx -o out.onnx --report report.json --validate
   graphmp convert model.onnx -o out.onnx --calibration batch0.npz batch1.npz
   graphmp convert model.onnx -o out.onnx --fp32-nodes 'head|classifier' --fp32-ops Sigmoid
+  graphmp convert det.onnx -o det.mp.onnx --calibration page1.npz page2.npz --max-error 1e-2
+  graphmp convert det.onnx -o det.mp.onnx --calibration pages.npz --max-error tf32 --report r.json
+  graphmp convert cls.onnx -o cls.mp.onnx --calibration imgs.npz --metric argmax --max-error 0.001
+
+accuracy budget (--max-error):
+  The search measures the error FP16-faithfully (FP16 storage, FP32 math, as Tensor Cores
+  do) on the calibration batches, finds which regions of the model cause it, and keeps
+  the cheapest set FP32 that brings every output within the budget. With two batches or
+  more the last one is held back to check the plan. The report lists every node the
+  search kept FP32, the error it removed and its share of the compute.
 """
 
 
@@ -70,6 +80,16 @@ def _add_convert(sub):
     _add_shapes(c)
     c.add_argument("--range-threshold", type=float, default=512.0,
                    help="keep nodes FP32 whose |values| exceed this in calibration (default 512)")
+    c.add_argument("--max-error", metavar="E|tf32|floor[:K]",
+                   help="accuracy budget: after the static rules, keep the fewest nodes FP32 that bring the error "
+                   "of every output on the calibration batches within E (measured FP16-faithfully); tf32: within the "
+                   "error TF32 Conv/MatMul already have; floor:K: within K x the error of rounding only the inputs "
+                   "to FP16 (default K=2)")
+    c.add_argument("--metric", choices=["max-rel", "max-abs", "argmax"], default="max-rel",
+                   help="error for --max-error: max-rel = max|a-b|/max|ref| per output (default), max-abs, or "
+                   "argmax = fraction of class predictions that change (class-score outputs)")
+    c.add_argument("--strict", action="store_true", help="exit 1 when --max-error cannot be met (default: "
+                   "write the best model found and warn)")
     c.add_argument("--external-data", dest="external_data", action="store_true", default=None,
                    help="write weights to OUTPUT.data (default: when the input had external data or >1.8 GB)")
     c.add_argument("--no-external-data", dest="external_data", action="store_false")
@@ -109,6 +129,7 @@ def _run_convert(args) -> int:
     rep = convert(args.model, out, target=args.target, keep_io_types=args.keep_io_types,
                   fp32_ops=args.fp32_ops, fp32_nodes=args.fp32_nodes, fp16_nodes=args.fp16_nodes,
                   calibration=cal, shapes=args.shapes, range_threshold=args.range_threshold,
+                  max_error=args.max_error, metric=args.metric, strict=args.strict,
                   external_data=args.external_data, validate=args.validate, atol=args.atol,
                   rtol=args.rtol, verbose=not args.quiet, pad_channels=args.pad_channels)
     if args.report:
@@ -116,6 +137,10 @@ def _run_convert(args) -> int:
     if not args.quiet:
         print(rep.summary())
     d = rep.to_dict()
+    if args.strict and d.get("search", {}).get("reached") is False:
+        print(f"graphmp: --max-error {args.max_error} not met (best: {d['search']['error']:.3g} x the budget); "
+              f"{out} holds the best plan found", file=sys.stderr)
+        return 1
     if args.validate and "validation" not in d:
         print(f"graphmp: --validate skipped: {d.get('validation_skipped', 'nothing was converted')}", file=sys.stderr)
         return 0

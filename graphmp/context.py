@@ -27,6 +27,9 @@ class Options:
     range_threshold: float = 512.0
     external_data: bool | None = None
     pad_channels: int | None = None
+    max_error: object = None            # --max-error: a number, "tf32" or "floor[:K]"
+    metric: str = "max-rel"             # --metric: max-rel, max-abs or argmax
+    strict: bool = False                # --strict: a budget not met is a failure
     validate: bool = False
     atol: float = 1e-2
     rtol: float = 1e-2
@@ -63,6 +66,14 @@ class Options:
         if o.shapes is not None:
             from .inputs import parse_shapes
             o.shapes = parse_shapes(o.shapes)
+        if o.max_error is not None:
+            from .budget import METRICS, parse
+            parse(o.max_error)
+            if o.metric not in METRICS:
+                raise GraphmpError(f"--metric must be one of {', '.join(METRICS)}, not '{o.metric}'")
+            if o.calibration == "off":
+                raise GraphmpError("--max-error measures the error on calibration batches: it cannot run with "
+                                   "--no-calibration (pass --calibration DATA, or nothing for generated inputs)")
         return o
 
     @property
@@ -91,6 +102,8 @@ class Ctx:
     names: Names | None = None
     types: dict = field(default_factory=dict)      # graph key -> {tensor: elem_type}
     ranges: dict = field(default_factory=dict)     # (graph key, tensor) -> max |x| over calibration
+    batches: list = field(default_factory=list)    # calibration feeds that ran (for the search)
+    search_refs: list = field(default_factory=list)  # FP32 outputs on those batches (search, verify)
     info: dict = field(default_factory=dict)       # id(node) -> NodeInfo
     lowered: set = field(default_factory=set)      # id(node) of nodes running in low precision
     report: dict = field(default_factory=dict)

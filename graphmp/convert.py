@@ -16,7 +16,7 @@ from .context import Ctx, Options
 from .errors import GraphmpError
 from .io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model,
                  save_model, tensor_nbytes)
-from .passes import PassResult, apply, calibrate, classify, paint, prepare, types
+from .passes import PassResult, apply, calibrate, classify, paint, prepare, search, types
 from .passes.apply import to_low
 
 MARK_KEY = "graphmp"
@@ -39,8 +39,10 @@ PIPELINE = [
     ("calibration", calibrate.run),                  # max |x| of every float tensor (FP32 runs)
     ("classify", classify.run),                      # op class; why a node must stay FP32
     ("paint", paint.run),                            # which nodes run in the low type
+    ("search", search.run),                          # --max-error: fewest FP32 nodes within budget
     (None, apply.run),                               # Casts, converted weights
     ("sort", sort),                                  # topological order, written back
+    ("search", search.verify),                       # --max-error: the written model's error
 ]
 
 
@@ -88,6 +90,8 @@ class ConvertReport:
             f"  weights: {d['weight_bytes_before'] / 1e6:.2f} MB -> {d['weight_bytes_after'] / 1e6:.2f} MB",
             f"  calibration: {_calibration_line(d['calibration'])}",
         ]
+        if d.get("search", {}).get("budget"):
+            lines.append(_search_line(d["search"]))
         if d["fp32_by_reason"]:
             lines.append("  kept FP32:")
             for reason, count in d["fp32_by_reason"].items():
@@ -116,6 +120,19 @@ class ConvertReport:
         return "\n".join(lines)
 
 
+def _search_line(s: dict) -> str:
+    b = s["budget"]
+    floor = max(b["floor"].values(), default=0.0)
+    head = f"  accuracy budget ({b['metric']} <= {b['spec']}): "
+    if not s.get("evaluations"):
+        return head + f"met by the static plan, error {s.get('error_static_plan', 0):.3g} x budget; floor {floor:.3g}"
+    held = f", held-out batch {s['held_out_error']:.3g}" if "held_out_error" in s else ""
+    return (head + f"{'met' if s['reached'] else 'NOT met'}, error {s['error']:.3g} x budget{held} (static plan "
+            f"{s['error_static_plan']:.3g}); floor {floor:.3g}; {len(s['fp32_regions'])} regions "
+            f"({100 * (1 - s['fp16_compute_share']):.1f}% of the converted compute) kept FP32; "
+            f"{s['evaluations']} evaluations, {s['seconds']:.1f} s")
+
+
 def _calibration_line(c: dict) -> str:
     if not c.get("batches"):
         return c["source"]
@@ -130,6 +147,8 @@ def _reason_group(reason: str) -> str:
         return "range: values above the threshold in calibration"
     if reason.startswith("initializer"):
         return "initializer values out of the low-precision range"
+    if reason.startswith("search:"):
+        return "search: kept FP32 to meet --max-error"
     if reason.startswith("INT8 Q/DQ"):
         return "INT8 Q/DQ op (kept for the INT8 fusion)"
     if reason.startswith("FP32 spread"):

@@ -79,10 +79,10 @@ def ort_session(model, providers=None, base_dir=None, optimize=True):
     return ort.InferenceSession(os.fspath(model), so, providers=providers)
 
 
-def runner(model, providers=None, base_dir=None):
+def runner(model, providers=None, base_dir=None, optimize=True):
     """One ONNX Runtime session as a function feeds -> {output name: array} (arrays in
     `feeds` that are not inputs are ignored). `.session` is the session."""
-    sess = ort_session(model, providers, base_dir)
+    sess = ort_session(model, providers, base_dir, optimize=optimize)
     names = [o.name for o in sess.get_outputs()]
     wanted = [i.name for i in sess.get_inputs()]
 

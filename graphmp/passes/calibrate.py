@@ -43,6 +43,7 @@ class Calibration:
     ranges: dict = field(default_factory=dict)     # (graph key, tensor) -> max |x|
     proven_types: dict = field(default_factory=dict)  # main-graph tensor -> elem type
     report: dict = field(default_factory=dict)
+    batches: list = field(default_factory=list)    # the feeds that ran (the search measures on them)
 
 
 # --------------------------------------------------------------------------- probe
@@ -149,6 +150,7 @@ class _Runner:
             if m > ranges.get(key, -np.inf):
                 ranges[key] = m
         self.shapes.append(", ".join(f"{k}:{dims_text(np.shape(feeds[k]))}" for k in self.inputs))
+        self.cal.batches.append({k: feeds[k] for k in self.inputs})
 
 
 def _first_line(e) -> str:
@@ -222,6 +224,7 @@ def run(ctx) -> PassResult:
     cal = calibrate(ctx.model, ctx.types, data=ctx.options.calibration, shapes=ctx.options.shapes,
                     base_dir=ctx.base_dir, where=ctx.path)
     ctx.ranges = cal.ranges
+    ctx.batches = cal.batches
     if cal.report.get("warning"):
         ctx.warn(f"calibration {cal.report['source']}: {cal.report['warning']}")
     main = ctx.types.setdefault("main", {})
