@@ -105,10 +105,11 @@ def _add_convert(sub):
 
 def _add_check(sub):
     k = sub.add_parser("check", help="accuracy of a converted model vs its FP32 source (FP16-faithful)",
-                       description="Run the FP32 model (ONNX Runtime) and the converted one (an evaluator "
-                       "that computes every op in its declared dtype, and ORT CUDA when a GPU is present) "
-                       "on the same inputs; report max abs/rel error, argmax agreement and inf/NaN per "
-                       "output. Exit 1 when the error exceeds --atol/--rtol.")
+                       description="First check that the converted model is valid (full onnx.checker, ONNX "
+                       "Runtime loads it); then run the FP32 model (ONNX Runtime) and the converted one "
+                       "FP16-faithfully (see --oracle; and ORT CUDA when a GPU is present) on the same inputs; "
+                       "report max abs/rel error, argmax agreement and inf/NaN per output. Exit 1 when the "
+                       "model is invalid or the error exceeds --atol/--rtol.")
     k.add_argument("reference", help="FP32 source .onnx")
     k.add_argument("converted", help="converted .onnx")
     k.add_argument("--data", metavar="NPZ", nargs="+", help="inputs (.npz, one array per model input; several "
@@ -116,6 +117,10 @@ def _add_check(sub):
     _add_shapes(k)
     k.add_argument("--atol", type=float, default=1e-2)
     k.add_argument("--rtol", type=float, default=1e-2)
+    k.add_argument("--oracle", choices=["emulation", "reference"], default="emulation",
+                   help="who computes the converted model FP16-faithfully: emulation = FP16 storage with FP32 math "
+                   "on ONNX Runtime (as Tensor Cores; fast; the measure of --max-error; default), reference = "
+                   "onnx.reference, every step in FP16 numpy (stricter on long sums, slow on big inputs)")
     k.add_argument("--json", metavar="PATH", help="write the result as JSON")
 
 
@@ -224,7 +229,8 @@ def _run_pad(args) -> int:
 def _run_check(args) -> int:
     from .check import check
     _writable(args.json, "--json")
-    rep = check(args.reference, args.converted, data=args.data, shapes=args.shapes, atol=args.atol, rtol=args.rtol)
+    rep = check(args.reference, args.converted, data=args.data, shapes=args.shapes, atol=args.atol, rtol=args.rtol,
+                oracle=args.oracle)
     if args.json:
         write_json(args.json, rep.to_dict())
     print(rep.summary())

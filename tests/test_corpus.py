@@ -21,7 +21,13 @@ ORACLE_SLOW = {"style_mosaic", "super_resolution"}
 # basic_pitch computes a CQT spectrogram with long Conv kernels on raw audio: FP16 costs
 # ~4% of the output scale there. --fp32-nodes cq_t brings it to 0.3%, but that regex
 # matches 208 of 243 nodes in this tf2onnx export (only 35 stay fp16).
-SCALE_TOL = {"basic_pitch_nmp": 0.05}
+SCALE_TOL = {"basic_pitch_nmp": 0.05,
+             # the static rules leave ~3% on this detector's probability map: what --max-error
+             # is for (tests/test_search.py holds it to a budget)
+             "ppocrv4_det": 0.05}
+# Multi-label outputs (basic_pitch: 88 independent note probabilities per frame): the
+# argmax over the notes of a silent frame compares near-zero values, so it is not judged.
+MULTI_LABEL = {"basic_pitch_nmp"}
 # Conversion always runs with defaults (shapes found by a trial run). The oracle check of
 # these 5-D Conv models at the found 224x224 takes minutes in numpy: it gets --shapes.
 CHECK_SHAPES = {"rivagan_encoder": "frame:1x3x1x64x64,data:1x32", "rivagan_decoder": "frame:1x3x1x64x64"}
@@ -76,7 +82,7 @@ def test_real_model_converts_and_matches(path, tmp_path):
         assert o["max_abs"] <= SCALE_TOL.get(_name(path), 0.01) * o["ref_max_abs"] + 1e-2, (name, o)
         if _name(path) in QDQ:
             assert o["max_abs"] <= 1e-6 * o["ref_max_abs"], (name, o)
-        if o["argmax_agree"] is not None:
+        if o["argmax_agree"] is not None and _name(path) not in MULTI_LABEL:
             assert o["argmax_agree"] >= 0.95, (name, o)
 
 

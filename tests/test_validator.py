@@ -83,3 +83,34 @@ def test_convert_validate_on_an_already_converted_model(pair, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 0 and "--validate skipped" in err and "graphmp check" in err
     assert "Traceback" not in err
+
+
+def test_overflow_fails_check_with_either_oracle(tmp_path):
+    """Case 05 forced to FP16 overflows; ORT CPU would show finite outputs. Both oracles
+    see the inf, and when onnx.reference cannot run the model the emulation judges."""
+    import sys
+    import numpy as np
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import cases
+    from graphmp.oracle import runner
+    src = cases.case_05_naive_fp16()
+    feeds = cases.default_feeds(src)
+    conv = graphmp.convert(src, None, fp16_nodes=".*", calibration="off").model
+    assert all(np.isfinite(v).all() for v in runner(conv)(feeds).values())  # ORT CPU hides it
+    for oracle in ("emulation", "reference"):
+        rep = check(src, conv, data=feeds, oracle=oracle)
+        assert not rep.passed and sum(o["nonfinite"] for o in rep.outputs.values()) > 0, oracle
+    assert check(src, conv, data=feeds).to_dict()["oracle"].startswith("FP16-faithful emulation")
+
+
+def test_reference_oracle_falls_back_to_the_emulation_not_ort_cpu(monkeypatch, pair):
+    import importlib
+    chk = importlib.import_module("graphmp.check")  # the module (graphmp.check is also the function)
+    src, out = pair
+
+    def broken(model, feeds):
+        raise RuntimeError("no kernel for this op")
+    monkeypatch.setattr(chk, "run_reference", broken)
+    rep = chk.check(src, out, oracle="reference").to_dict()
+    assert rep["oracle"].startswith("FP16-faithful emulation") and rep["passed"]
+    assert any("onnx.reference cannot run" in w for w in rep["warnings"])
