@@ -81,8 +81,8 @@ from .version import __version__
 from .check import check, compare
 from .convert import convert
 from .errors import GraphmpError
-from .inputs import batch_positions, check_feeds, find_shapes, input_specs, rebatch
-from .io import atomic_write, load_model, load_npz, model_weight_bytes, write_json
+from .inputs import batch_positions, find_shapes, input_specs, rebatch, user_batches
+from .io import atomic_write, load_model, model_weight_bytes, write_json
 from .oracle import ort_session, run_ort
 from .oracle import runner as ort_runner
 from .progress import Progress
@@ -530,8 +530,7 @@ def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=
     if converted is not None:
         load_model(os.fspath(converted))
     if data is not None:
-        base_feeds = load_npz(data, ".npz of model inputs", " Save one with numpy.savez(path, **{input_name: array}).")
-        check_feeds(input_specs(graph), base_feeds, os.fspath(data))
+        ((_, base_feeds),) = user_batches(os.fspath(data), input_specs(graph), "--data")
 
     tmp = None
     if keep is None:

@@ -25,10 +25,10 @@ import os
 import numpy as np
 import onnx
 
-from .errors import GraphmpError
+from .errors import GraphmpError, first_line
 from .emulate import emulated_runner
-from .inputs import check_feeds, find_shapes, input_specs
-from .io import load_model, load_npz
+from .inputs import find_shapes, input_specs, user_batches
+from .io import load_model
 from .oracle import cuda_available, run_reference, runner
 
 ORACLES = ("emulation", "reference")
@@ -61,17 +61,12 @@ def compare(ref: np.ndarray, got: np.ndarray, atol: float, rtol: float) -> dict:
             "nonfinite": new_nonfinite, "argmax_agree": agree, "passed": passed}
 
 
-def _first_line(e) -> str:
-    lines = [x for x in str(e).strip().splitlines() if x.strip()]
-    return (lines[0] if lines else type(e).__name__)[:300]
-
-
 def _full_check(model) -> str | None:
     try:
         onnx.checker.check_model(model if isinstance(model, onnx.ModelProto) else os.fspath(model), full_check=True)
         return None
     except Exception as e:  # noqa: BLE001 - checker raises ValidationError / InferenceError / ...
-        return _first_line(e)
+        return first_line(e)
 
 
 def validity(converted, reference=None) -> dict:
@@ -86,13 +81,13 @@ def validity(converted, reference=None) -> dict:
             onnx.checker.check_model(converted if isinstance(converted, onnx.ModelProto) else os.fspath(converted))
             err = None
         except Exception as e:  # noqa: BLE001
-            err = _first_line(e)
+            err = first_line(e)
     if err:
         out["checker"] = err
     try:
         runner(converted)
     except Exception as e:  # noqa: BLE001 - any load failure means "ORT refuses it"
-        out["ort"] = _first_line(e)
+        out["ort"] = first_line(e)
     out["valid"] = out["checker"] == "ok" and out["ort"] == "ok"
     return out
 
@@ -136,19 +131,7 @@ def _batches(ref, data, shapes, seed, run_ref):
     if data is None:
         plan = find_shapes(ref, run_ref, shapes, where="check")
         return [plan.feeds(seed)], f"generated ({plan.describe()}; shapes {plan.how})"
-    items = [data] if isinstance(data, (str, os.PathLike, dict)) else list(data)
-    if not items:
-        raise GraphmpError("check: no data batches given")
-    out = []
-    for i, item in enumerate(items):
-        if isinstance(item, (str, os.PathLike)):
-            source = os.fspath(item)
-            arrays = load_npz(source, ".npz of model inputs",
-                              " Save one with numpy.savez(path, **{input_name: array}).")
-        else:
-            source, arrays = f"data batch {i}", dict(item)
-        check_feeds(specs, arrays, source)
-        out.append({s.name: arrays[s.name] for s in specs})
+    out = [feeds for _, feeds in user_batches(data, specs, "--data")]
     return out, f"{len(out)} batch(es) of user data"
 
 
@@ -173,7 +156,7 @@ def check(ref, converted, data=None, *, shapes=None, atol: float = 1e-2, rtol: f
     try:
         run_ref = runner(ref, optimize=False)  # as the emulation: ORT's fusions are not FP16 error
     except Exception as e:  # noqa: BLE001
-        raise GraphmpError(f"{names['reference']}: ONNX Runtime cannot load the FP32 reference ({_first_line(e)})") from None
+        raise GraphmpError(f"{names['reference']}: ONNX Runtime cannot load the FP32 reference ({first_line(e)})") from None
     batches, described = _batches(ref_graph, data, shapes, seed, run_ref)
     run_emu = emulated_runner(converted)
     run_cuda = None
@@ -186,7 +169,7 @@ def check(ref, converted, data=None, *, shapes=None, atol: float = 1e-2, rtol: f
                                 f"{run_cuda.session.get_providers()[0]}: no CUDA row")
                 run_cuda = None
         except Exception as e:  # noqa: BLE001
-            warnings.append(f"ORT CUDA could not load the model: {_first_line(e)}")
+            warnings.append(f"ORT CUDA could not load the model: {first_line(e)}")
 
     def full(m):  # the reference evaluator needs the weights in memory
         return m if isinstance(m, onnx.ModelProto) else onnx.load(os.fspath(m))
@@ -204,7 +187,7 @@ def check(ref, converted, data=None, *, shapes=None, atol: float = 1e-2, rtol: f
                     warnings.append("onnx.reference does not reproduce ONNX Runtime on the FP32 source; "
                                     "the FP16 emulation judged instead")
             except Exception as e:  # noqa: BLE001 - the reference evaluator lacks some ops/shapes
-                warnings.append(f"onnx.reference cannot run this model ({_first_line(e)[:120]}); "
+                warnings.append(f"onnx.reference cannot run this model ({first_line(e)[:120]}); "
                                 "the FP16 emulation judged instead")
             if got is None:
                 judged_by = EMULATION

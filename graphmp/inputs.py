@@ -25,6 +25,7 @@ If branch) gets that constant, so the real branch runs.
 """
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -33,7 +34,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from .errors import GraphmpError
+from .errors import GraphmpError, first_line
+from .io import load_npz
 from .ops import FLOAT_TYPES
 
 INT_ELEMS = (TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8,
@@ -162,6 +164,24 @@ def check_feeds(specs: list[Spec], arrays: dict, source: str) -> None:
             if isinstance(d, int) and d != v:
                 raise GraphmpError(f"{source}: array '{s.name}' has shape {dims_text(a.shape)}, but axis {axis} "
                                    f"of input {s.show()} is fixed at {d}")
+
+
+def user_batches(data, specs: list[Spec], what: str = "data") -> list[tuple[str, dict]]:
+    """[(source, feeds)] from .npz path(s) or dicts of arrays (one or a list), each checked
+    against the model's inputs (check_feeds); feeds hold exactly the model's inputs."""
+    items = [data] if isinstance(data, (str, os.PathLike, dict)) else list(data)
+    if not items:
+        raise GraphmpError(f"{what}: no batches given")
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, (str, os.PathLike)):
+            source = os.fspath(item)
+            arrays = load_npz(source, ".npz of model inputs", " Save one with numpy.savez(path, **{input_name: array}).")
+        else:
+            source, arrays = f"{what} batch {i}", dict(item)
+        check_feeds(specs, arrays, source)
+        out.append((source, {s.name: arrays[s.name] for s in specs}))
+    return out
 
 
 # --------------------------------------------------------------------------- values
@@ -313,11 +333,6 @@ class InputPlan:
         return ", ".join(f"{n}:{dims_text(s)}" for n, s in self.shapes_for_batch(batch).items())
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:240]
-
-
 # One size at a time is tried for cheap roles first: a wrong length or state size is a
 # more common cause of failure than an image size, and image trials cost the most.
 _TRY_ORDER = ("other", "past", "length", "tokens", "batch", "spatial")
@@ -386,7 +401,7 @@ def find_shapes(model: onnx.ModelProto, run, given=None, *, where: str = "<model
             run(generate(specs, shapes_for(assign), seed, hints))
             return True
         except Exception as e:  # noqa: BLE001 - any failure of a trial means "not these shapes"
-            errors.append(_first_line(e))
+            errors.append(first_line(e))
             return False
 
     def out_of_budget() -> bool:

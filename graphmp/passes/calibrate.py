@@ -19,7 +19,6 @@ from graphmp.inputs.find_shapes, whose successful trial runs are the batches.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,9 +26,9 @@ import onnx
 from onnx import helper
 
 from ..context import FLOAT
-from ..errors import GraphmpError
-from ..inputs import check_feeds, dims_text, find_shapes, input_specs
-from ..io import attr_graphs, load_npz, model_weight_bytes
+from ..errors import GraphmpError, first_line
+from ..inputs import dims_text, find_shapes, input_specs, user_batches
+from ..io import attr_graphs, model_weight_bytes
 from ..ir import Names
 from ..oracle import ort_session
 from . import PassResult
@@ -153,27 +152,6 @@ class _Runner:
         self.cal.batches.append({k: feeds[k] for k in self.inputs})
 
 
-def _first_line(e) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0][:200] if lines else type(e).__name__
-
-
-def _user_batches(cal_option, specs):
-    """(source text, arrays) per user batch: .npz paths or dicts of arrays."""
-    items = [cal_option] if isinstance(cal_option, (str, os.PathLike, dict)) else list(cal_option)
-    if not items:
-        raise GraphmpError("--calibration: no batches given")
-    for i, item in enumerate(items):
-        if isinstance(item, (str, os.PathLike)):
-            source = os.fspath(item)
-            arrays = load_npz(source, ".npz of model inputs",
-                              " Save one with numpy.savez(path, **{input_name: array}).")
-        else:
-            source, arrays = f"calibration batch {i}", dict(item)
-        check_feeds(specs, arrays, source)
-        yield source, arrays
-
-
 def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<model>") -> Calibration:
     """Ranges of every float tensor over the calibration batches (see the module doc).
 
@@ -192,7 +170,7 @@ def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<mo
     try:
         sess = ort_session(probe.model, base_dir=base_dir, optimize=False)
     except Exception as e:  # noqa: BLE001 - ORT's load errors are many kinds
-        reason = _first_line(e)
+        reason = first_line(e)
         cal.report = {"source": f"skipped: ONNX Runtime cannot load the model here ({reason})", "batches": 0,
                       "warning": "no range check was done: nodes that overflow FP16 were not found"}
         return cal
@@ -207,12 +185,12 @@ def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<mo
             run(plan.feeds(seed=1))
         cal.report = {"source": "generated inputs", "shapes_found": plan.how, "value_hints": plan.hints}
     else:
-        for source, arrays in _user_batches(data, specs):
+        for source, arrays in user_batches(data, specs, "--calibration"):
             try:
                 run(arrays)
             except Exception as e:  # noqa: BLE001
                 raise GraphmpError(f"{source}: ONNX Runtime cannot run the FP32 model on this data "
-                                   f"({_first_line(e)})") from None
+                                   f"({first_line(e)})") from None
         cal.report = {"source": "user data"}
     cal.report.update(batches=len(run.shapes), shapes=run.shapes, tensors_observed=len(cal.ranges),
                       types_proven_by_run=len(cal.proven_types))
