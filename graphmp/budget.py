@@ -159,9 +159,10 @@ class Budget:
                 "tf32": self.tf32 or None}
 
 
-def measure(model: onnx.ModelProto, batches: list, refs: list, spec, metric: str = "max-rel",
+def measure(model, batches: list, refs: list, spec, metric: str = "max-rel",
             base_dir: str | None = None) -> Budget:
-    """The budget for `model` (the FP32 source) on `batches`, whose FP32 outputs are `refs`."""
+    """The budget for `model` (the FP32 source: ModelProto or path) on `batches`, whose
+    FP32 outputs are `refs`."""
     from .oracle import runner
     if metric not in METRICS:
         raise GraphmpError(f"--metric must be one of {', '.join(METRICS)}, not '{metric}'")
@@ -173,6 +174,10 @@ def measure(model: onnx.ModelProto, batches: list, refs: list, spec, metric: str
                            "use --metric max-rel or max-abs")
     b = Budget(str(spec), metric, floor=floor)
     if kind == "tf32":
+        if not isinstance(model, onnx.ModelProto):  # a path: the rewrite needs the graph and weights
+            import os
+            base_dir = os.path.dirname(os.path.abspath(os.fspath(model)))
+            model = onnx.load(os.fspath(model))
         run_tf32 = runner(tf32_model(model), base_dir=base_dir, optimize=False)
         b.tf32 = errors(refs, [run_tf32(x) for x in batches], metric)
         base = b.tf32

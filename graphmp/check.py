@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 
 from .errors import GraphmpError, first_line
+from .budget import measure, output_error, parse
 from .emulate import emulated_runner
 from .inputs import find_shapes, input_specs, user_batches
 from .io import load_model
@@ -36,29 +37,38 @@ EMULATION = "FP16-faithful emulation on ONNX Runtime (FP16 storage, FP32 math)"
 REFERENCE = "onnx.reference (FP16-faithful: every op in FP16 arithmetic)"
 
 
-def compare(ref: np.ndarray, got: np.ndarray, atol: float, rtol: float) -> dict:
+def compare(ref: np.ndarray, got: np.ndarray, atol: float | None = None, rtol: float | None = None, *,
+            allowed: float | None = None, metric: str = "max-rel") -> dict:
+    """One output against its FP32 reference: max abs |a-b|, max rel = max|a-b| / max|ref|,
+    argmax agreement (class-score outputs), new non-finite values and `error` under
+    `metric` (graphmp.budget). passed: no new non-finite value, error <= allowed (when
+    given) and, when atol/rtol are given, |a-b| <= atol + rtol*|ref| everywhere."""
     ref = np.asarray(ref)
     got = np.asarray(got)
+    error = output_error(ref, got, metric)
     if ref.dtype.kind not in "fc":
         same = bool(np.array_equal(ref, got))
         return {"max_abs": 0.0 if same else float("inf"), "max_rel": 0.0 if same else float("inf"),
-                "ref_max_abs": 0.0, "nonfinite": 0, "argmax_agree": None, "passed": same}
+                "ref_max_abs": 0.0, "nonfinite": 0, "argmax_agree": None, "error": error, "passed": same}
     r = ref.astype(np.float64)
     g = got.astype(np.float64)
     if r.shape != g.shape:
         return {"max_abs": float("inf"), "max_rel": float("inf"), "ref_max_abs": 0.0, "nonfinite": 0,
-                "argmax_agree": None, "passed": False, "shape_mismatch": [list(r.shape), list(g.shape)]}
+                "argmax_agree": None, "error": float("inf"), "passed": False,
+                "shape_mismatch": [list(r.shape), list(g.shape)]}
     new_nonfinite = int(np.count_nonzero(~np.isfinite(g) & np.isfinite(r)))
     ok = np.isfinite(r) & np.isfinite(g)
     diff = np.abs(g - r)[ok]
-    rel = diff / np.maximum(np.abs(r[ok]), atol)
+    scale = float(np.abs(r[ok]).max()) if ok.any() else 0.0
+    max_abs = float(diff.max()) if diff.size else 0.0
     agree = None
     if r.ndim in (2, 3) and r.shape[-1] > 1 and r.size:  # class scores [N, C] / [N, T, V], not image maps
         agree = float(np.mean(np.argmax(r, axis=-1) == np.argmax(np.nan_to_num(g), axis=-1)))
-    passed = new_nonfinite == 0 and bool(np.all(diff <= atol + rtol * np.abs(r[ok])))
-    return {"max_abs": float(diff.max()) if diff.size else 0.0, "max_rel": float(rel.max()) if rel.size else 0.0,
-            "ref_max_abs": float(np.abs(r[ok]).max()) if ok.any() else 0.0,
-            "nonfinite": new_nonfinite, "argmax_agree": agree, "passed": passed}
+    passed = new_nonfinite == 0 and (allowed is None or error is None or error <= allowed)
+    if atol is not None or rtol is not None:
+        passed = passed and bool(np.all(diff <= (atol or 0.0) + (rtol or 0.0) * np.abs(r[ok])))
+    return {"max_abs": max_abs, "max_rel": max_abs / scale if scale > 0 else max_abs, "ref_max_abs": scale,
+            "nonfinite": new_nonfinite, "argmax_agree": agree, "error": error, "passed": passed}
 
 
 def _full_check(model) -> str | None:
@@ -84,10 +94,7 @@ def validity(converted, reference=None) -> dict:
             err = first_line(e)
     if err:
         out["checker"] = err
-    try:
-        runner(converted)
-    except Exception as e:  # noqa: BLE001 - any load failure means "ORT refuses it"
-        out["ort"] = first_line(e)
+    out["ort"] = _ort_loads(converted)
     out["valid"] = out["checker"] == "ok" and out["ort"] == "ok"
     return out
 
@@ -109,20 +116,65 @@ class CheckReport:
 
     def summary(self) -> str:
         d = self.data
+        extra = f", and |a-b| <= {d['atol'] or 0} + {d['rtol'] or 0}*|ref|" if d["atol"] or d["rtol"] else ""
         lines = [f"{d['converted']} vs {d['reference']} ({d['oracle']}): {'PASS' if d['passed'] else 'FAIL'}"
-                 f" (atol {d['atol']}, rtol {d['rtol']})"]
+                 f" ({d['metric']} <= {d['max_error']} per output{extra})"]
         v = d["validity"]
         if not v["valid"]:
             lines.append(f"  INVALID: onnx.checker: {v['checker']}; ONNX Runtime: {v['ort']}")
         if d.get("inputs"):
             lines.append(f"  inputs: {d['inputs']}")
+        floor = (d.get("budget") or {}).get("floor", {})
         for name, o in d["outputs"].items():
-            lines.append(f"  {name}: max abs {o['max_abs']:.4g}  max rel {o['max_rel']:.4g}"
-                         + (f"  argmax agree {o['argmax_agree']:.4f}" if o["argmax_agree"] is not None else "")
-                         + (f"  NON-FINITE x{o['nonfinite']}" if o["nonfinite"] else ""))
+            judged = (f"{d['metric']} {o['error']:.4g} (allowed {o['allowed']:.4g}"
+                      + (f"; FP16 input floor {floor[name]:.3g}" if name in floor else "") + ")"
+                      if o.get("error") is not None and o.get("allowed") is not None else "not judged by this metric")
+            lines.append(f"  {name}: {'ok ' if o['passed'] else 'BAD'} {judged}; max abs {o['max_abs']:.4g}"
+                         + (f", argmax agree {o['argmax_agree']:.4f}" if o["argmax_agree"] is not None else "")
+                         + (f", NON-FINITE x{o['nonfinite']}" if o["nonfinite"] else ""))
         for w in d["warnings"] + ([v["note"]] if v.get("note") else []):
             lines.append(f"  warning: {w}")
         return "\n".join(lines)
+
+
+def _same_interface(ref, conv, names):
+    """The converted model must have the reference's inputs and outputs (by name)."""
+    ins = ({s.name for s in input_specs(ref)}, {s.name for s in input_specs(conv)})
+    outs = ({o.name for o in ref.graph.output}, {o.name for o in conv.graph.output})
+    if ins[0] != ins[1] or not outs[0] <= outs[1]:
+        raise GraphmpError(f"{names['converted']} does not have the inputs and outputs of {names['reference']} "
+                           f"(inputs {sorted(ins[1])} vs {sorted(ins[0])}, outputs {sorted(outs[1])} vs "
+                           f"{sorted(outs[0])}): compare a converted model with the FP32 model it came from")
+
+
+def _ort_loads(model) -> str:
+    """'ok', or why ONNX Runtime (CPU, default options) cannot create a session for the
+    model. Tried in a child process: ONNX Runtime can crash on a valid model (1.32
+    segfaults optimising an FP16 Transpose(perm=[1,0,2]) -> MatMul), and a crash must be
+    a FAIL with a reason, not the end of graphmp."""
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    code = ("import sys, onnxruntime as ort\n"
+            "so = ort.SessionOptions(); so.log_severity_level = 4\n"
+            "try:\n    ort.InferenceSession(sys.argv[1], so, providers=['CPUExecutionProvider'])\n"
+            "except Exception as e:\n    print(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)"
+            "\n    sys.exit(3)\n")
+    with tempfile.TemporaryDirectory(prefix="graphmp-check-") as d:
+        path = model
+        if isinstance(model, onnx.ModelProto):
+            path = os.path.join(d, "model.onnx")
+            onnx.save(model, path)
+        r = subprocess.run([sys.executable, "-c", code, os.fspath(path)], capture_output=True, text=True)
+    if r.returncode == 0:
+        return "ok"
+    if r.returncode < 0:
+        import onnxruntime as ort
+        sig = signal.Signals(-r.returncode).name
+        return (f"ONNX Runtime {ort.__version__} crashed ({sig}) creating a CPU session with its default options "
+                "(an ONNX Runtime bug; it may load with fewer graph optimisations)")
+    return (r.stdout.strip() or r.stderr.strip() or f"exit {r.returncode}").splitlines()[-1][:300]
 
 
 def _batches(ref, data, shapes, seed, run_ref):
@@ -130,25 +182,32 @@ def _batches(ref, data, shapes, seed, run_ref):
     specs = input_specs(ref)
     if data is None:
         plan = find_shapes(ref, run_ref, shapes, where="check")
-        return [plan.feeds(seed)], f"generated ({plan.describe()}; shapes {plan.how})"
+        return [plan.feeds(seed)], (f"generated ({plan.describe()}; shapes {plan.how}; floats ~N(0,1): --data with "
+                                    "real inputs checks the range the model will really see)")
     out = [feeds for _, feeds in user_batches(data, specs, "--data")]
     return out, f"{len(out)} batch(es) of user data"
 
 
-def check(ref, converted, data=None, *, shapes=None, atol: float = 1e-2, rtol: float = 1e-2,
-          seed: int = 0, oracle: str = "emulation") -> CheckReport:
+def check(ref, converted, data=None, *, shapes=None, max_error=1e-2, metric: str = "max-rel",
+          atol: float | None = None, rtol: float | None = None, seed: int = 0,
+          oracle: str = "emulation") -> CheckReport:
     """Compare `converted` against the FP32 `ref` (paths or ModelProtos) on `data` (an
     .npz path, a dict of inputs, a list of them, or None for generated inputs whose
     dynamic dims come from `shapes` ('x:1x3x640x640,...') or a trial run), judged by
-    `oracle` ("emulation" or "reference", see the module docstring)."""
+    `oracle` ("emulation" or "reference", see the module docstring).
+
+    An output passes when it gains no inf/NaN and its error under `metric` is within
+    `max_error` (a number, "tf32" or "floor[:K]", as --max-error of convert; the
+    default: max |a-b| / max |ref| <= 1e-2); atol/rtol add an element-wise criterion."""
+    parse(max_error)
     if oracle not in ORACLES:
         raise GraphmpError(f"--oracle must be one of {', '.join(ORACLES)}, not '{oracle}'")
     ref_graph = ref if isinstance(ref, onnx.ModelProto) else load_model(ref)  # clear errors for bad files
-    if not isinstance(converted, onnx.ModelProto):
-        load_model(converted)
+    conv_graph = converted if isinstance(converted, onnx.ModelProto) else load_model(converted)
     names = {"reference": str(ref) if not isinstance(ref, onnx.ModelProto) else "<model>",
              "converted": str(converted) if not isinstance(converted, onnx.ModelProto) else "<model>",
-             "atol": atol, "rtol": rtol}
+             "atol": atol, "rtol": rtol, "max_error": str(max_error), "metric": metric}
+    _same_interface(ref_graph, conv_graph, names)
     valid = validity(converted, ref)
     if not valid["valid"]:
         return CheckReport(dict(names, oracle="not run: the converted model is invalid", batches=0, outputs={},
@@ -174,7 +233,7 @@ def check(ref, converted, data=None, *, shapes=None, atol: float = 1e-2, rtol: f
     def full(m):  # the reference evaluator needs the weights in memory
         return m if isinstance(m, onnx.ModelProto) else onnx.load(os.fspath(m))
     judged_by = EMULATION if oracle == "emulation" else REFERENCE
-    outputs: dict = {}
+    wants, gots, cudas = [], [], []
     for feeds in batches:
         want = run_ref(feeds)
         got = None
@@ -191,24 +250,31 @@ def check(ref, converted, data=None, *, shapes=None, atol: float = 1e-2, rtol: f
                                 "the FP16 emulation judged instead")
             if got is None:
                 judged_by = EMULATION
-        if got is None:
-            got = run_emu(feeds)
+        wants.append(want)
+        gots.append(got if got is not None else run_emu(feeds))
         if run_cuda is not None:
-            cuda = run_cuda(feeds)
+            cudas.append(run_cuda(feeds))
+    budget = measure(ref, batches, wants, max_error, metric)
+    outputs: dict = {}
+    for i, want in enumerate(wants):
+        for label, got in [("", gots[i])] + ([(" [ORT CUDA]", cudas[i])] if cudas else []):
             for k in want:
-                outputs.setdefault(k + " [ORT CUDA]", []).append(compare(want[k], cuda[k], atol, rtol))
-        for k in want:
-            if k not in got:
-                raise GraphmpError(f"{names['converted']}: output '{k}' of the reference is missing from the converted model")
-            outputs.setdefault(k, []).append(compare(want[k], got[k], atol, rtol))
+                if k not in got:
+                    raise GraphmpError(f"{names['converted']}: output '{k}' of the reference is missing from the "
+                                       "converted model")
+                row = compare(want[k], got[k], atol, rtol, allowed=budget.allowed.get(k), metric=metric)
+                outputs.setdefault(k + label, []).append(row)
     merged = {}
     for k, rows in outputs.items():
         agrees = [r["argmax_agree"] for r in rows if r["argmax_agree"] is not None]
-        merged[k] = {"max_abs": max(r["max_abs"] for r in rows), "max_rel": max(r["max_rel"] for r in rows),
+        errs = [r["error"] for r in rows if r["error"] is not None]
+        merged[k] = {"error": max(errs) if errs else None, "allowed": budget.allowed.get(k.replace(" [ORT CUDA]", "")),
+                     "max_abs": max(r["max_abs"] for r in rows), "max_rel": max(r["max_rel"] for r in rows),
                      "ref_max_abs": max(r.get("ref_max_abs", 0.0) for r in rows),
                      "nonfinite": sum(r["nonfinite"] for r in rows),
                      "argmax_agree": float(np.mean(agrees)) if agrees else None,
                      "passed": all(r["passed"] for r in rows)}
     return CheckReport(dict(names, oracle=judged_by, batches=len(batches), inputs=described, outputs=merged,
+                            budget=budget.to_dict(),
                             passed=all(o["passed"] for o in merged.values()), warnings=list(dict.fromkeys(warnings)),
                             validity=valid))

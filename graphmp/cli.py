@@ -94,10 +94,11 @@ def _add_convert(sub):
                    help="write weights to OUTPUT.data (default: when the input had external data or >1.8 GB)")
     c.add_argument("--no-external-data", dest="external_data", action="store_false")
     c.add_argument("--report", metavar="JSON", help="write the full report (every FP32 node and why) as JSON")
-    c.add_argument("--validate", action="store_true", help="compare against the FP32 model FP16-faithfully "
-                   "afterwards; exit 1 if the error exceeds --atol/--rtol")
-    c.add_argument("--atol", type=float, default=1e-2)
-    c.add_argument("--rtol", type=float, default=1e-2)
+    c.add_argument("--validate", action="store_true", help="afterwards check the output (graphmp check): valid, "
+                   "and every output within --max-error (default: max|a-b|/max|ref| <= 1e-2) FP16-faithfully; "
+                   "exit 1 if not")
+    c.add_argument("--atol", type=float, help="--validate: also require |a-b| <= atol + rtol*|ref| everywhere")
+    c.add_argument("--rtol", type=float, help="see --atol")
     c.add_argument("--pad-channels", type=int, metavar="N", help="also pad Conv channels and GEMM dims to "
                    "multiples of N first (see `graphmp pad --help`)")
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
@@ -108,15 +109,19 @@ def _add_check(sub):
                        description="First check that the converted model is valid (full onnx.checker, ONNX "
                        "Runtime loads it); then run the FP32 model (ONNX Runtime) and the converted one "
                        "FP16-faithfully (see --oracle; and ORT CUDA when a GPU is present) on the same inputs; "
-                       "report max abs/rel error, argmax agreement and inf/NaN per output. Exit 1 when the "
-                       "model is invalid or the error exceeds --atol/--rtol.")
+                       "report per output the error against its budget, max abs error, argmax agreement and "
+                       "inf/NaN. Exit 1 when the model is invalid, an output gains inf/NaN or exceeds the budget.")
     k.add_argument("reference", help="FP32 source .onnx")
     k.add_argument("converted", help="converted .onnx")
     k.add_argument("--data", metavar="NPZ", nargs="+", help="inputs (.npz, one array per model input; several "
                    "files = several batches); default: generated")
     _add_shapes(k)
-    k.add_argument("--atol", type=float, default=1e-2)
-    k.add_argument("--rtol", type=float, default=1e-2)
+    k.add_argument("--max-error", default="1e-2", metavar="E|tf32|floor[:K]",
+                   help="allowed error per output, as for convert --max-error (default 1e-2)")
+    k.add_argument("--metric", choices=["max-rel", "max-abs", "argmax"], default="max-rel",
+                   help="max-rel = max|a-b| / max|ref| (default), max-abs, argmax = fraction of changed classes")
+    k.add_argument("--atol", type=float, help="also require |a-b| <= atol + rtol*|ref| at every element")
+    k.add_argument("--rtol", type=float, help="see --atol")
     k.add_argument("--oracle", choices=["emulation", "reference"], default="emulation",
                    help="who computes the converted model FP16-faithfully: emulation = FP16 storage with FP32 math "
                    "on ONNX Runtime (as Tensor Cores; fast; the measure of --max-error; default), reference = "
@@ -150,9 +155,9 @@ def _run_convert(args) -> int:
         print(f"graphmp: --validate skipped: {d.get('validation_skipped', 'nothing was converted')}", file=sys.stderr)
         return 0
     if args.validate and not d["validation"]["passed"]:
-        print(f"graphmp: validation FAILED for {out} (atol {args.atol}, rtol {args.rtol}); "
-              "see the per-output errors above. Try --fp32-nodes for the offending layers "
-              "or --calibration with real data.", file=sys.stderr)
+        print(f"graphmp: validation FAILED for {out}; see the per-output errors above. --max-error makes the "
+              "conversion meet a budget; --calibration with real data finds the ranges your inputs reach.",
+              file=sys.stderr)
         return 1
     return 0
 
@@ -230,7 +235,7 @@ def _run_check(args) -> int:
     from .check import check
     _writable(args.json, "--json")
     rep = check(args.reference, args.converted, data=args.data, shapes=args.shapes, atol=args.atol, rtol=args.rtol,
-                oracle=args.oracle)
+                max_error=args.max_error, metric=args.metric, oracle=args.oracle)
     if args.json:
         write_json(args.json, rep.to_dict())
     print(rep.summary())

@@ -31,8 +31,8 @@ class Options:
     metric: str = "max-rel"             # --metric: max-rel, max-abs or argmax
     strict: bool = False                # --strict: a budget not met is a failure
     validate: bool = False
-    atol: float = 1e-2
-    rtol: float = 1e-2
+    atol: float | None = None           # --validate: an element-wise criterion on top of the budget
+    rtol: float | None = None
     verbose: bool = False
 
     @classmethod
@@ -51,7 +51,7 @@ class Options:
             raise GraphmpError(f"--range-threshold must be a positive number (the |x| above which a node "
                                f"stays FP32; default 512), not {o.range_threshold}")
         for flag, v in (("--atol", o.atol), ("--rtol", o.rtol)):
-            if not (isinstance(v, (int, float)) and v >= 0):
+            if v is not None and not (isinstance(v, (int, float)) and v >= 0):
                 raise GraphmpError(f"{flag} must be a number >= 0, not {v}")
         if o.pad_channels is not None:
             if o.pad_channels not in PAD_MULTIPLES:

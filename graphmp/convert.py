@@ -278,7 +278,7 @@ def _report_nodes(ctx):
 
 def _validate(report, ref, converted, opts):
     """check() on the calibration data when the user gave some, else on generated
-    inputs of the same shapes."""
+    inputs of the same shapes; judged by --max-error when given, else max-rel <= 1e-2."""
     from .check import check
     cal = opts.calibration
     data = None
@@ -286,5 +286,6 @@ def _validate(report, ref, converted, opts):
         data = cal
     elif isinstance(cal, (list, tuple)) and cal and cal[0] not in ("auto", "off"):
         data = cal[0]
-    report["validation"] = check(ref, converted, data=data, shapes=opts.shapes, atol=opts.atol,
-                                 rtol=opts.rtol).to_dict()
+    report["validation"] = check(ref, converted, data=data, shapes=opts.shapes, atol=opts.atol, rtol=opts.rtol,
+                                 max_error=opts.max_error if opts.max_error is not None else 1e-2,
+                                 metric=opts.metric).to_dict()

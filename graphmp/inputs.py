@@ -21,7 +21,8 @@ How a dynamic dim gets its size:
   If nothing runs, a one-line error says what was tried and names --shapes.
 Values: floats N(0,1); integers 0/1 (ones for names with 'mask'); booleans random;
 an integer scalar that the graph compares with a constant (Equal(sr, 16000) choosing an
-If branch) gets that constant, so the real branch runs.
+If branch) gets that constant, so the real branch runs; integer lengths (names like
+'lens', 'lengths', 'seq_len') hold the full length of the other inputs.
 """
 from __future__ import annotations
 
@@ -164,6 +165,10 @@ def check_feeds(specs: list[Spec], arrays: dict, source: str) -> None:
             if isinstance(d, int) and d != v:
                 raise GraphmpError(f"{source}: array '{s.name}' has shape {dims_text(a.shape)}, but axis {axis} "
                                    f"of input {s.show()} is fixed at {d}")
+        if a.dtype.kind == "f" and np.isnan(a).any():
+            raise GraphmpError(f"{source}: array '{s.name}' holds {int(np.isnan(a).sum())} NaN value(s) (first at "
+                               f"index {np.unravel_index(int(np.argmax(np.isnan(a))), a.shape)}); ranges and errors "
+                               "measured on NaN mean nothing: remove or replace them")
 
 
 def user_batches(data, specs: list[Spec], what: str = "data") -> list[tuple[str, dict]]:
@@ -222,15 +227,21 @@ def value_hints(model: onnx.ModelProto) -> dict:
     return hints
 
 
+_LENGTHS = re.compile(r"(^|_)(lens?|lengths?|seq_?lens?|num_frames)$", re.I)
+
+
 def generate(specs: list[Spec], shapes: dict, seed: int = 0, hints: dict | None = None) -> dict:
     """Deterministic inputs of the given shapes (see the module docstring for values)."""
     rng = np.random.default_rng(seed)
     hints = hints or {}
+    full = max((d for s in specs if s.elem not in INT_ELEMS for d in shapes[s.name][1:]), default=1)
     feeds = {}
     for s in specs:
         shape = tuple(shapes[s.name])
         if s.name in hints:
             feeds[s.name] = np.full(shape, hints[s.name], dtype=s.dtype)
+        elif s.elem in INT_ELEMS and _LENGTHS.search(s.name):
+            feeds[s.name] = np.full(shape, full, dtype=s.dtype)
         elif s.elem in FLOAT_TYPES and s.elem != TensorProto.BFLOAT16:
             feeds[s.name] = rng.standard_normal(shape).astype(s.dtype)
         elif s.elem == TensorProto.BOOL:
@@ -273,6 +284,8 @@ def _role(s: Spec, axis: int) -> str:
     name = s.dims[axis] if isinstance(s.dims[axis], str) else ""
     for role, rx in _ROLE_BY_NAME:
         if name and rx.search(name):
+            if role == "batch" and axis > 0 and "batch" not in name.lower():
+                continue  # 'N', 'B', 'bs' name the batch on axis 0 only: waveforms [B, N] has N samples
             return "tokens" if role == "length" and s.elem in INT_ELEMS else role
     rank = len(s.dims)
     if axis == 0 and rank >= 2:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import zipfile
 
 import numpy as np
 import onnx
@@ -343,7 +344,7 @@ def load_npz(path, what: str = ".npz", hint: str = "") -> dict:
         raise GraphmpError(f"{path}: no such file (expected an {what})")
     try:
         z = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as e:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise GraphmpError(f"{path}: not a readable {what} ({str(e)[:160]}).{hint}") from None
     if isinstance(z, np.ndarray):
         raise GraphmpError(f"{path}: is an .npy file (one unnamed array); graphmp needs an {what} with one "
@@ -351,7 +352,7 @@ def load_npz(path, what: str = ".npz", hint: str = "") -> dict:
     with z:
         try:
             return {k: z[k] for k in z.files}
-        except (OSError, ValueError, EOFError) as e:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
             raise GraphmpError(f"{path}: not a readable {what} ({str(e)[:160]}).{hint}") from None
 
 

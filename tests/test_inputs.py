@@ -137,3 +137,38 @@ def test_bad_data_is_named(arrays, needle):
     with pytest.raises(GraphmpError, match=needle) as e:
         check_feeds(specs, arrays, "batch.npz")
     assert str(e.value).startswith("batch.npz: ") and "\n" not in str(e.value)
+
+
+def _audio_model():
+    """waveforms [B, N] float (N = samples: a reflect pad of 32 needs N > 32) and
+    waveforms_lens [B] int64, the layout of ASR front ends (onnx-asr)."""
+    g = helper.make_graph(
+        [helper.make_node("Pad", ["waveforms", "pads"], ["p"], mode="reflect"),
+         helper.make_node("ReduceSum", ["p"], ["s"], keepdims=0),
+         helper.make_node("Cast", ["waveforms_lens"], ["lf"], to=TensorProto.FLOAT),
+         helper.make_node("Div", ["s", "lf"], ["y"])], "g",
+        [helper.make_tensor_value_info("waveforms", TensorProto.FLOAT, ["B", "N"]),
+         helper.make_tensor_value_info("waveforms_lens", TensorProto.INT64, ["B"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B"])],
+        [onnx.numpy_helper.from_array(np.array([0, 32, 0, 32], np.int64), "pads")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_short_batch_names_mean_the_batch_only_on_axis_0():
+    """[B, N]: N is the number of samples here, not a second batch (it used to become
+    1, so a reflect pad failed and the search gave up after one trial)."""
+    m = _audio_model()
+    plan = find_shapes(m, runner(m))
+    assert plan.shapes["waveforms"][0] == 1 and plan.shapes["waveforms"][1] > 32
+    feeds = plan.feeds()
+    assert feeds["waveforms_lens"].tolist() == [feeds["waveforms"].shape[1]]  # lengths are full lengths
+    assert np.isfinite(runner(m)(feeds)["y"]).all()
+
+
+def test_nan_in_data_is_refused():
+    specs = input_specs(_audio_model())
+    arrays = {"waveforms": np.full((1, 64), np.nan, np.float32), "waveforms_lens": np.array([64])}
+    with pytest.raises(GraphmpError, match="'waveforms' holds 64 NaN"):
+        check_feeds(specs, arrays, "b.npz")

@@ -151,3 +151,21 @@ def test_fp16_model_with_fp32_nodes_computes_them_in_fp32():
     x = rng.standard_normal((2, 16)).astype(np.float16)
     assert np.abs(run_reference(out, {"x": x})["y"].astype(np.float32)
                   - run_reference(m, {"x": x})["y"].astype(np.float32)).max() < 2e-3
+
+
+def test_a_weight_read_in_both_types_is_stored_twice_and_said(tmp_path):
+    """W feeds an FP16 MatMul and an FP32 ReduceSumSquare: both copies are stored (each
+    reader its type, no runtime Cast), and the report says what that costs."""
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32), "W")
+    g = oh.make_graph([oh.make_node("MatMul", ["x", "W"], ["y"], name="mm"),
+                       oh.make_node("ReduceSumSquare", ["W"], ["n"], name="norm", keepdims=0)], "g",
+                      [oh.make_tensor_value_info("x", TP.FLOAT, ["N", 64])],
+                      [oh.make_tensor_value_info("y", TP.FLOAT, ["N", 64]), oh.make_tensor_value_info("n", TP.FLOAT, [])],
+                      [w])
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)])
+    m.ir_version = 8
+    rep = graphmp.convert(m, None)
+    types = sorted(t.data_type for t in rep.model.graph.initializer)
+    assert types == [TP.FLOAT, TP.FLOAT16]
+    assert any("read in FP32 by some nodes and in the low type by others" in w and "+0.01 MB" in w
+               for w in rep["warnings"])

@@ -114,3 +114,52 @@ def test_reference_oracle_falls_back_to_the_emulation_not_ort_cpu(monkeypatch, p
     rep = chk.check(src, out, oracle="reference").to_dict()
     assert rep["oracle"].startswith("FP16-faithful emulation") and rep["passed"]
     assert any("onnx.reference cannot run" in w for w in rep["warnings"])
+
+
+def _fp16_transpose_matmul():
+    """Time-major RNN output -> Transpose(perm=[1,0,2]) -> MatMul, in FP16: ONNX Runtime
+    1.32 CPU segfaults creating a session for it (its default optimisations)."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+    g = helper.make_graph([helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]),
+                           helper.make_node("MatMul", ["t", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["T", "B", 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["B", "T", 8])],
+                          [numpy_helper.from_array(np.ones((16, 8), np.float16), "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_an_onnx_runtime_crash_is_a_fail_not_graphmps_death(tmp_path):
+    import subprocess
+    import sys
+    path = str(tmp_path / "tmm.onnx")
+    onnx.save(_fp16_transpose_matmul(), path)
+    r = subprocess.run([sys.executable, "-c", "import sys, onnxruntime as o; o.InferenceSession(sys.argv[1])", path],
+                       capture_output=True)
+    v = validity(path)  # graphmp survives, whatever ONNX Runtime does
+    if r.returncode < 0:
+        assert not v["valid"] and "crashed (SIG" in v["ort"]
+    else:
+        assert v["valid"] == (r.returncode == 0)
+
+
+def test_check_judges_scale_relative_errors_not_elementwise(tmp_path):
+    """Logit-scale outputs: FP16's 1e-3 relative error is ~0.03 absolute on values ~30,
+    which an element-wise atol of 0.01 calls a failure; max|a-b|/max|ref| does not."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+    w = (np.random.default_rng(0).standard_normal((64, 16)) * 4).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 16])],
+                          [numpy_helper.from_array(w, "W")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    conv = graphmp.convert(m, None).model
+    rep = check(m, conv)
+    (o,) = rep.outputs.values()
+    assert rep.passed and o["error"] <= 0.01 and o["max_abs"] > 0.01 and o["ref_max_abs"] > 10
+    assert not check(m, conv, atol=0.01, rtol=0.0).passed  # the element-wise criterion, when asked for
+    assert "allowed 0.01" in rep.summary() and "FP16 input floor" in rep.summary()

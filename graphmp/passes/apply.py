@@ -53,6 +53,7 @@ class Rewriter:
         self.cache = {}      # (owner key, name, type) -> name holding that variant
         self.casts_added = 0
         self.rounding = []
+        self.twice = []      # initializers stored in both types
         self.prods = {g.key: g.producers() for g in ctx.root.walk()}
 
     # --- types ----------------------------------------------------------------
@@ -185,6 +186,14 @@ def apply(ctx):
         else:
             name = rw.convert_initializer(owner, t, ctx.names.fresh(f"{x}_{SUFFIX[low]}"))
             rw.cache[(okey, x, low)] = name
+            rw.twice.append(x)
+    if rw.twice:
+        from ..io import tensor_nbytes
+        extra = sum(tensor_nbytes(owner.initializers[x]) // 2 for (_, x), (owner, _) in init_wants.items()
+                    if x in rw.twice)
+        ctx.warn(f"{len(rw.twice)} weight(s) are read in FP32 by some nodes and in the low type by others, so both "
+                 f"copies are stored (+{extra / 1e6:.2f} MB; e.g. '{rw.twice[0]}'); --fp32-nodes or --fp16-nodes on "
+                 "their readers keeps one")
 
     # 4. graph outputs keep declared types: rename the low producer, Cast back under the name
     for g in graphs:

@@ -179,10 +179,15 @@ def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<mo
     specs = input_specs(model)
     if generated:
         plan = find_shapes(model, run, shapes, where=where)
-        if plan.trials == 0:
-            run(plan.feeds(seed=0))
-        if not plan.batch_free:
-            run(plan.feeds(seed=1))
+        try:
+            if plan.trials == 0:  # every size given or fixed: nothing was tried yet
+                run(plan.feeds(seed=0))
+            if not plan.batch_free:
+                run(plan.feeds(seed=1))
+        except Exception as e:  # noqa: BLE001 - ORT's run errors are many kinds
+            raise GraphmpError(f"{where}: ONNX Runtime cannot run the model on inputs of shapes {plan.describe()} "
+                               f"({plan.how}): {first_line(e)}. Give other --shapes, or real data with "
+                               "--calibration") from None
         cal.report = {"source": "generated inputs", "shapes_found": plan.how, "value_hints": plan.hints}
     else:
         for source, arrays in user_batches(data, specs, "--calibration"):
@@ -205,6 +210,10 @@ def run(ctx) -> PassResult:
     ctx.batches = cal.batches
     if cal.report.get("warning"):
         ctx.warn(f"calibration {cal.report['source']}: {cal.report['warning']}")
+    if cal.report["source"] == "generated inputs":
+        ctx.warn("calibration ran on generated inputs (floats ~N(0,1)): nodes that overflow FP16 only on larger real "
+                 "inputs (int16-scale audio, 0-255 pixels, unnormalised features) were not found; for a model fed "
+                 "such data, pass --calibration with real batches")
     main = ctx.types.setdefault("main", {})
     for name, elem in cal.proven_types.items():
         main.setdefault(name, elem)
