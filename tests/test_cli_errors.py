@@ -4,7 +4,6 @@ files behind (SIGTERM cleans up like Ctrl-C; the next run removes a killed run's
 import hashlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
