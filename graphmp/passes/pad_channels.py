@@ -35,7 +35,7 @@ from ..io import iter_graphs, tensor_array
 from ..ir import Names
 from ..ops import FLOAT_TYPES
 from ..opset import default_opset
-from .types import _skeleton
+from .types import skeleton
 
 UNARY = {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Elu", "Selu", "Celu",
          "Gelu", "Erf", "Softplus", "Softsign", "Clip", "Neg", "Abs", "Identity", "Cast", "Dropout",
@@ -103,7 +103,7 @@ class Padder:
     # ---- facts about tensors ------------------------------------------------------
     def _shapes(self) -> dict:
         try:
-            inf = onnx.shape_inference.infer_shapes(_skeleton(self.model), strict_mode=False)
+            inf = onnx.shape_inference.infer_shapes(skeleton(self.model), strict_mode=False)
         except Exception:
             inf = self.model
         out = {}

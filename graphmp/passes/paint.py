@@ -28,7 +28,7 @@ ISLAND = "inside a deliberate FP32 island of the source model"
 SPREAD = "FP32 spread from an FP32 neighbour ({})"
 
 
-def _edges(ctx, g):
+def float_edges(ctx, g):
     """succ/pred over nodes of graph g, through tensors whose source type is FP32."""
     prod = g.producers()
     succ = {id(n): [] for n in g.nodes}
@@ -77,7 +77,7 @@ def _reach(starts, nbrs, ok):
 def paint_graph(ctx, g):
     info = ctx.info
     nodes = [n for n in g.nodes if info[id(n)].cls != "none"]
-    succ, pred = _edges(ctx, g)
+    succ, pred = float_edges(ctx, g)
 
     def kind(n):
         i = info[id(n)]

@@ -47,7 +47,7 @@ from ..ir import Names
 from ..opset import default_opset, upgrade
 from ..oracle import runner
 from . import PassResult
-from .paint import _edges
+from .paint import float_edges
 
 MAX_REGIONS = 48
 MAX_SEARCH_BATCHES = 4
@@ -86,8 +86,8 @@ def whole(regions) -> frozenset:
 def _node_costs(ctx, batch) -> dict:
     """name -> FLOPs (Conv/MatMul/Gemm: multiply-adds x 2; other ops: output elements)
     from shape inference with the batch's concrete input shapes; missing shapes -> 0."""
-    from .types import _skeleton
-    skel = _skeleton(ctx.model)
+    from .types import skeleton
+    skel = skeleton(ctx.model)
     for v in skel.graph.input:
         if v.name in batch:
             shape = v.type.tensor_type.shape
@@ -139,7 +139,7 @@ def regions(ctx, costs: dict) -> list[Region]:
     forced = re.compile(ctx.options.fp16_nodes) if ctx.options.fp16_nodes else None
     out: list[Region] = []
     for g in ctx.root.walk():
-        _, pred = _edges(ctx, g)
+        _, pred = float_edges(ctx, g)
         region_of: dict = {}
         for n in g.nodes:
             if id(n) not in ctx.lowered or (forced and forced.search(n.name)):

@@ -21,7 +21,9 @@ from . import PassResult
 from ..io import attr_graphs, iter_graphs
 
 
-def _skeleton(model):
+def skeleton(model):
+    """A copy of the model whose external and large FP32 weights carry no data (dims and
+    types kept): what shape inference needs, at the cost of the graph, not the weights."""
     skel = onnx.ModelProto()
     skel.CopyFrom(model)
     for g in iter_graphs(skel.graph):
@@ -94,7 +96,7 @@ def _propagate(ctx, g):
 def infer_types(ctx):
     ctx.opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in ctx.model.opset_import}
     try:
-        inferred = onnx.shape_inference.infer_shapes(_skeleton(ctx.model), check_type=False,
+        inferred = onnx.shape_inference.infer_shapes(skeleton(ctx.model), check_type=False,
                                                      strict_mode=False, data_prop=False)
     except Exception as e:
         ctx.warn(f"ONNX shape inference failed ({str(e)[:120]}); types come from op schemas")
