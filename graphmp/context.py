@@ -104,6 +104,7 @@ class Ctx:
     ranges: dict = field(default_factory=dict)     # (graph key, tensor) -> max |x| over calibration
     batches: list = field(default_factory=list)    # calibration feeds that ran (for the search)
     search_refs: list = field(default_factory=list)  # FP32 outputs on those batches (search, verify)
+    search_budget: object = None                    # graphmp.budget.Budget of --max-error (search, verify)
     info: dict = field(default_factory=dict)       # id(node) -> NodeInfo
     lowered: set = field(default_factory=set)      # id(node) of nodes running in low precision
     report: dict = field(default_factory=dict)

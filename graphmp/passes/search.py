@@ -326,7 +326,7 @@ def run(ctx) -> PassResult:
     # near-zero outputs such as a detector's probability map on a blank page)
     ref_run = runner(ctx.model, base_dir=ctx.base_dir, optimize=False)
     refs = ctx.search_refs = [ref_run(b) for b in batches]
-    budget = measure(ctx.model, batches, refs, opts.max_error, opts.metric, ctx.base_dir)
+    budget = ctx.search_budget = measure(ctx.model, batches, refs, opts.max_error, opts.metric, ctx.base_dir)
     costs = _node_costs(ctx, batches[0])
     regs = regions(ctx, costs)
     details = {"budget": budget.to_dict(), "regions": len(regs), "batches": len(batches),
@@ -401,17 +401,14 @@ def verify(ctx) -> PassResult:
     """Needs the converted model (after apply and sort). Measures its error with the
     emulation of the model as written, on the same batches, against the budget: the
     switchable model's prediction, checked on the real output."""
-    rep = ctx.report.get("search")
-    if not rep or "budget" not in rep:
+    budget = ctx.search_budget
+    if budget is None:
         return PassResult(changed=False)
-    from ..budget import Budget
     from ..emulate import emulated_runner
     from ..io import iter_graphs
     if any(t.data_location == TensorProto.EXTERNAL for g in iter_graphs(ctx.model.graph) for t in g.initializer):
         return PassResult(changed=False, details={"verified": "skipped (weights in external data)"})
     batches = ctx.batches[:MAX_SEARCH_BATCHES + 1]
-    b = rep["budget"]
-    budget = Budget(b["spec"], b["metric"], allowed=b["allowed"], floor=b["floor"])
     emu = emulated_runner(ctx.model, ctx.base_dir)
     errs = errors(ctx.search_refs, [emu(x) for x in batches], budget.metric)
     return PassResult(changed=False, details={"verified": {"errors": errs, "normalized": budget.normalized(errs)}})
