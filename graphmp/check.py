@@ -134,7 +134,25 @@ class CheckReport:
                          + (f", NON-FINITE x{o['nonfinite']}" if o["nonfinite"] else ""))
         for w in d["warnings"] + ([v["note"]] if v.get("note") else []):
             lines.append(f"  warning: {w}")
+        lines += [f"  hint: {h}" for h in _hints(d, floor)]
         return "\n".join(lines)
+
+
+def _hints(d: dict, floor: dict) -> list[str]:
+    """What a user can do about outputs that failed their budget."""
+    bad = {k: o for k, o in d["outputs"].items() if not o["passed"] and not o["nonfinite"] and o.get("error")}
+    out = []
+    same = [k for k, o in bad.items() if o["argmax_agree"] == 1.0]
+    if same and d["metric"] != "argmax":
+        out.append(f"if {', '.join(same)} holds class scores, no decision changed (argmax agree 1.0): --metric "
+                   "argmax judges a classifier by its decisions")
+    near = [k for k, o in bad.items() if floor.get(k) and o["error"] <= 4 * floor[k]]
+    if near:
+        out.append(f"{', '.join(near)}: the error is within 4x what rounding only the inputs to FP16 costs; "
+                   "--max-error floor:4 judges against that floor")
+    if bad:
+        out.append("graphmp convert --max-error E (or tf32) converts to meet a budget")
+    return out
 
 
 def _same_interface(ref, conv, names):

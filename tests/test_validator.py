@@ -163,3 +163,21 @@ def test_check_judges_scale_relative_errors_not_elementwise(tmp_path):
     assert rep.passed and o["error"] <= 0.01 and o["max_abs"] > 0.01 and o["ref_max_abs"] > 10
     assert not check(m, conv, atol=0.01, rtol=0.0).passed  # the element-wise criterion, when asked for
     assert "allowed 0.01" in rep.summary() and "FP16 input floor" in rep.summary()
+
+
+def test_a_failing_check_says_what_to_do():
+    """A budget of 1e-6 fails any FP16 model: the summary points at --max-error floor /
+    convert --max-error, and at --metric argmax where decisions did not change."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+    w = np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 16])],
+                          [numpy_helper.from_array(w, "W")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    rep = check(m, graphmp.convert(m, None).model, max_error=1e-6)
+    text = rep.summary()
+    assert not rep.passed and "hint: graphmp convert --max-error" in text
+    assert "--max-error floor:4" in text and "--metric argmax" in text
