@@ -15,9 +15,9 @@ Budgets:
            torch on Ampere and later): "no worse than what the GPU already does";
   floor:K  per output, K x (default 2) the error of the FP32 model when only its float
            inputs are rounded to FP16: the model's own FP16 noise floor.
-The floor is measured either way and reported, so users see what is reachable. A budget
-is never below one FP16 step (2^-11 relative): an output that input rounding does not
-move at all would otherwise allow no FP16 compute whatsoever.
+The floor is measured either way and reported, so users see what is reachable. A
+measured budget (tf32, floor) is never below one FP16 step (2^-11 relative): an output
+that input rounding does not move would otherwise allow no FP16 compute whatsoever.
 """
 from __future__ import annotations
 
@@ -185,6 +185,7 @@ def measure(model, batches: list, refs: list, spec, metric: str = "max-rel",
         base = {k: value * v for k, v in floor.items()}
     else:
         base = {k: value for k in floor}
-    b.allowed = {k: max(v, MIN_BUDGET) if metric != "argmax" else v for k, v in base.items()}
+    measured = kind != "abs"  # a measured budget can be 0 (an output input rounding does not move)
+    b.allowed = {k: max(v, MIN_BUDGET) if measured and metric != "argmax" else v for k, v in base.items()}
     return b
 
