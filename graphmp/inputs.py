@@ -12,7 +12,8 @@ How a dynamic dim gets its size:
   1. --shapes gives it (a named dim given for one input holds for every input that
      names it);
   2. otherwise a trial run (the caller's `run`, normally ONNX Runtime on the FP32 model)
-     over plausible sizes for the dim's role, read from its name (batch, height/width,
+     over plausible sizes for the dim's role (image sizes from the model's metadata first,
+     such as an Ultralytics export's imgsz), read from its name (batch, height/width,
      sequence/time, past) or its place: axis 0 is the batch; the spatial axes of an
      NCHW/NHWC image; the middle axis of an RNN state [layers, batch, hidden] is the
      batch; other axes are token counts (integer inputs) or lengths (float inputs).
@@ -261,11 +262,26 @@ class _Var:
     key: str
     role: str
     where: list = field(default_factory=list)   # (input name, axis)
+    preferred: tuple = ()                       # sizes the model's metadata names for this role
 
     @property
     def candidates(self) -> list:
-        c = list(CANDIDATES[self.role])
+        c = list(dict.fromkeys(list(self.preferred) + CANDIDATES[self.role]))
         return c + [1] if 1 not in c else c
+
+
+_SIZE_KEYS = ("imgsz", "img_size", "image_size", "input_size")
+
+
+def metadata_sizes(model: onnx.ModelProto) -> dict:
+    """{role: sizes} from metadata_props: image sides from keys such as 'imgsz'
+    ('[640, 640]', '640' or '640,480')."""
+    for p in model.metadata_props:
+        if p.key.lower() in _SIZE_KEYS:
+            sizes = [int(x) for x in re.findall(r"\d+", p.value) if 8 <= int(x) <= 8192]
+            if sizes:
+                return {"spatial": tuple(dict.fromkeys(sizes))}
+    return {}
 
 
 def _image_axes(s: Spec) -> list:
@@ -362,6 +378,7 @@ def find_shapes(model: onnx.ModelProto, run, given=None, *, where: str = "<model
     given = parse_shapes(given)
     check_shapes(specs, given, where)
     hints = value_hints(model)
+    preferred = metadata_sizes(model)
     fixed: dict = {}       # named dim -> size given by --shapes
     for s in specs:
         if s.name in given:
@@ -377,7 +394,8 @@ def find_shapes(model: onnx.ModelProto, run, given=None, *, where: str = "<model
             if isinstance(d, int) or (isinstance(d, str) and d in fixed):
                 continue
             key = d if isinstance(d, str) else f"{s.name}[{axis}]"
-            var = variables.setdefault(key, _Var(key, _role(s, axis)))
+            role = _role(s, axis)
+            var = variables.setdefault(key, _Var(key, role, preferred=preferred.get(role, ())))
             var.where.append((s.name, axis))
     vars_ = list(variables.values())
 

@@ -172,3 +172,19 @@ def test_nan_in_data_is_refused():
     arrays = {"waveforms": np.full((1, 64), np.nan, np.float32), "waveforms_lens": np.array([64])}
     with pytest.raises(GraphmpError, match="'waveforms' holds 64 NaN"):
         check_feeds(specs, arrays, "b.npz")
+
+
+def test_image_sizes_from_model_metadata_come_first():
+    """An Ultralytics-style export names its image size in metadata ('imgsz'); a model
+    that only runs at that size (H*W must be 96*128 here) runs at the first trial."""
+    g = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, "h", "w"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 96 * 128])],
+                          [onnx.numpy_helper.from_array(np.array([1, 3, 96 * 128], np.int64), "shape")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    with pytest.raises(GraphmpError, match="--shapes"):
+        find_shapes(m, runner(m), max_trials=8)
+    onnx.helper.set_model_props(m, {"imgsz": "[96, 128]", "stride": "32"})
+    plan = find_shapes(m, runner(m))
+    assert plan.shapes["x"][2] * plan.shapes["x"][3] == 96 * 128 and plan.trials <= 3
