@@ -126,10 +126,14 @@ def _search_line(s: dict) -> str:
     head = f"  accuracy budget ({b['metric']} <= {b['spec']}): "
     if not s.get("evaluations"):
         return head + f"met by the static plan, error {s.get('error_static_plan', 0):.3g} x budget; floor {floor:.3g}"
-    held = f", held-out batch {s['held_out_error']:.3g}" if "held_out_error" in s else ""
+    held = ""
+    if "held_out_error" in s:
+        held = (f", held-out batch {s['held_out_error']:.3g} (above: refit on every batch)" if s["refit_on_all_batches"]
+                else f", held-out batch {s['held_out_error']:.3g}")
     return (head + f"{'met' if s['reached'] else 'NOT met'}, error {s['error']:.3g} x budget{held} (static plan "
-            f"{s['error_static_plan']:.3g}); floor {floor:.3g}; {len(s['fp32_regions'])} regions "
-            f"({100 * (1 - s['fp16_compute_share']):.1f}% of the converted compute) kept FP32; "
+            f"{s['error_static_plan']:.3g}); floor {floor:.3g}; {len(s['fp32_regions'])} regions kept FP32 "
+            f"({100 * (1 - s['static_plan_compute_kept_fp16']):.1f}% of the static plan's FP16 compute); "
+            f"{100 * s['model_compute_fp16']:.1f}% of the model's Conv/MatMul compute in FP16; "
             f"{s['evaluations']} evaluations, {s['seconds']:.1f} s")
 
 

@@ -63,7 +63,8 @@ def test_search_finds_exactly_the_node_that_loses_precision():
     assert _error(m, static.model, batches)["y"] > 2e-2  # the case is meaningful
     rep = graphmp.convert(m, None, calibration=batches, max_error=5e-3)
     s = rep["search"]
-    assert s["reached"] and s["error"] <= 1 and s["held_out_error"] <= 1
+    assert s["reached"] and s["error"] <= 1 and s["held_out_error"] <= 1 and not s["refit_on_all_batches"]
+    assert s["model_compute_fp16"] == 1.0  # every MatMul stays FP16
     (moved,) = s["fp32_regions"]
     assert moved["anchor"] == "mm2" and moved["kept_fp32"] == "followers of"
     assert sorted(moved["nodes"]) == ["add200", "sub200"]  # mm2 itself stays FP16 (split)
@@ -148,7 +149,7 @@ def test_search_beats_the_naive_cut_on_a_detector():
         lo, hi = (lo, mid) if s.error(search.whole(range(mid)), every) <= 1 else (mid + 1, hi)
     naive_compute = sum(r.cost for r in s.regs[:hi]) / sum(r.cost for r in s.regs)
     naive_weights = sum(r.weight_bytes for r in s.regs[:hi]) / sum(r.weight_bytes for r in s.regs)
-    ours_compute = 1 - rep["fp16_compute_share"]
+    ours_compute = 1 - rep["static_plan_compute_kept_fp16"]
     ours_weights = sum(r["weight_share"] for r in rep["fp32_regions"])
     assert ours_compute < naive_compute and ours_weights < naive_weights, \
         (ours_compute, naive_compute, ours_weights, naive_weights)

@@ -340,7 +340,8 @@ def run(ctx) -> PassResult:
                  "most of the model to stay FP32; --max-error floor or tf32 sets a reachable budget")
     if not regs:
         details.update(reached=True, evaluations=0, error=0.0, error_static_plan=0.0, fp32_regions=[],
-                       fp16_compute_share=1.0, seconds=round(time.perf_counter() - t0, 3))
+                       static_plan_compute_kept_fp16=1.0, model_compute_fp16=_model_compute_fp16(ctx, costs),
+                       seconds=round(time.perf_counter() - t0, 3))
         return PassResult(changed=False, details=details)
     s = _Search(ctx, regs, costs, Switchable(ctx, regs), budget, batches, refs)
     every = list(range(len(batches)))
@@ -352,21 +353,31 @@ def run(ctx) -> PassResult:
         fp32 = s.select(search_on)
         if held_out:
             details["held_out_error"] = s.error(fp32, held_out)
-            if details["held_out_error"] > 1:  # too tight for unseen data: select again on every batch
+            details["refit_on_all_batches"] = details["held_out_error"] > 1
+            if details["refit_on_all_batches"]:  # too tight for unseen data: select again on every batch
                 fp32 = s.select(every, start=s.prefix)
     final = s.error(fp32, every)
     moved, kept_cost = _apply_plan(ctx, s, fp32)
     total_cost = sum(r.cost for r in regs) or 1.0
     details.update(reached=final <= 1, error=final, evaluations=s.evaluations, fp32_regions=moved,
-                   fp16_compute_share=1 - kept_cost / total_cost, seconds=round(time.perf_counter() - t0, 3))
+                   static_plan_compute_kept_fp16=1 - kept_cost / total_cost,
+                   model_compute_fp16=_model_compute_fp16(ctx, costs), seconds=round(time.perf_counter() - t0, 3))
     if final > 1:
         ctx.warn(f"--max-error {opts.max_error} not reached: the best plan found has {final:.3g} x the budget "
                  f"(floor of this model: {budget.floor})")
-    elif moved and details["fp16_compute_share"] < 0.1:
-        ctx.warn(f"--max-error {opts.max_error} keeps {100 * (1 - details['fp16_compute_share']):.0f}% of the "
-                 "compute FP32: the budget is near what FP16 can give on this model (see the floor in the report)")
+    elif moved and details["model_compute_fp16"] < 0.1:
+        ctx.warn(f"--max-error {opts.max_error} leaves {100 * details['model_compute_fp16']:.0f}% of the model's "
+                 "Conv/MatMul/Gemm compute in FP16: the budget is near what FP16 can give on this model (see the "
+                 "floor in the report)")
     s.log("done", final, fp32)
     return PassResult(changed=bool(fp32), details=details)
+
+
+def _model_compute_fp16(ctx, costs: dict) -> float:
+    """Share of the model's Conv/MatMul/Gemm/... FLOPs (main graph) that run in FP16 now."""
+    compute = [(n, costs.get(n.name, 0.0)) for n in ctx.root.nodes if _is_compute(n)]
+    total = sum(c for _, c in compute)
+    return sum(c for n, c in compute if id(n) in ctx.lowered) / total if total else 0.0
 
 
 def _apply_plan(ctx, s: _Search, fp32: frozenset):
