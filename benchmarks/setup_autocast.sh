@@ -12,7 +12,10 @@
 # [onnx] extra's list by hand with the plain CPU `onnxruntime` instead.
 #
 # Usage: bash benchmarks/setup_autocast.sh [VENV_DIR]    (or AUTOCAST_VENV=...)
-# Disk: ~6 GB (torch + its CUDA wheels come from PyPI regardless).
+# Disk: ~6 GB (torch + its CUDA wheels come from PyPI), or ~1.4 GB with a CPU torch:
+# TORCH_SPEC is installed first when set, and nvidia-modelopt then keeps that torch, e.g.
+#   TORCH_SPEC=torch==2.13.0 bash benchmarks/setup_autocast.sh   (a CPU wheel on a find-links path)
+#   TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu" bash benchmarks/setup_autocast.sh
 set -euo pipefail
 
 VENV="${1:-${AUTOCAST_VENV:-/work/venv-modelopt}}"
@@ -24,6 +27,10 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
+if [ -n "${TORCH_SPEC:-}" ]; then
+    # shellcheck disable=SC2086  # TORCH_SPEC may carry pip options
+    "$VENV/bin/python" -m pip install -q $TORCH_SPEC
+fi
 "$VENV/bin/python" -m pip install -q "nvidia-modelopt==${MODELOPT_VERSION}"
 # The [onnx] extra, minus onnxruntime-gpu/cupy, with CPU onnxruntime:
 "$VENV/bin/python" -m pip install -q \

