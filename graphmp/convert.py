@@ -105,17 +105,9 @@ class ConvertReport:
                          "(see the JSON report 'rounding')")
         for w in d["warnings"]:
             lines.append(f"  warning: {w}")
-        if "validation" in d:
-            v = d["validation"]
-            lines.append(f"  validation ({v['oracle']}): {'PASS' if v['passed'] else 'FAIL'}"
-                         + (f" on {v['inputs']}" if v.get("inputs") else ""))
-            if not v["validity"]["valid"]:
-                lines.append(f"    INVALID: onnx.checker: {v['validity']['checker']}; "
-                             f"ONNX Runtime: {v['validity']['ort']}")
-            for name, o in v["outputs"].items():
-                lines.append(f"    {name}: max abs {o['max_abs']:.3g}, max rel {o['max_rel']:.3g}"
-                             + (f", argmax agree {o['argmax_agree']:.4f}" if o.get("argmax_agree") is not None else "")
-                             + (f", NON-FINITE {o['nonfinite']}" if o["nonfinite"] else ""))
+        if "validation" in d:  # the check report, as `graphmp check` prints it
+            from .check import CheckReport
+            lines.append("  validation: " + CheckReport(d["validation"]).summary().replace("\n", "\n  "))
         lines.append(f"  time: {d['seconds']:.2f} s")
         return "\n".join(lines)
 
