@@ -97,8 +97,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO), str(REPO / "models")]  # convert.py's helpers; graphmp; documents, corpus
 
-from convert import (DEFAULT_AUTOCAST_PY, _clean_floats, _emit, _err, _json_default, _vmhwm,  # noqa: E402
-                     machine_info, run_child, tool_availability)
+from convert import (DEFAULT_AUTOCAST_PY, _clean_floats, _emit, _err, _json_default, _load_npz,  # noqa: E402
+                     _vmhwm, machine_info, run_child, tool_availability)
 
 ALL_TOOLS = ("graphmp", "graphmp-budget", "occ-amp", "autocast")
 AVAILABILITY_KEY = {"graphmp": "graphmp", "graphmp-budget": "graphmp", "occ-amp": "occ", "autocast": "autocast"}
@@ -201,12 +201,6 @@ def _save_batches(batches: list, folder: Path, stem: str) -> list[str]:
         np.savez(p, **b)
         paths.append(str(p))
     return paths
-
-
-def _load_npz(path) -> dict:
-    import numpy as np
-    with np.load(path, allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
 
 
 # --------------------------------------------------------------------------- structure

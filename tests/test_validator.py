@@ -145,18 +145,24 @@ def test_an_onnx_runtime_crash_is_a_fail_not_graphmps_death(tmp_path):
         assert v["valid"] == (r.returncode == 0)
 
 
-def test_check_judges_scale_relative_errors_not_elementwise(tmp_path):
-    """Logit-scale outputs: FP16's 1e-3 relative error is ~0.03 absolute on values ~30,
-    which an element-wise atol of 0.01 calls a failure; max|a-b|/max|ref| does not."""
+def _matmul(scale: float):
+    """y = x @ W, W [64, 16] ~ N(0, scale^2): one FP16 MatMul."""
     import numpy as np
     from onnx import helper, numpy_helper
-    w = (np.random.default_rng(0).standard_normal((64, 16)) * 4).astype(np.float32)
+    w = (np.random.default_rng(0).standard_normal((64, 16)) * scale).astype(np.float32)
     g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 16])],
                           [numpy_helper.from_array(w, "W")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
+    return m
+
+
+def test_check_judges_scale_relative_errors_not_elementwise(tmp_path):
+    """Logit-scale outputs: FP16's 1e-3 relative error is ~0.03 absolute on values ~30,
+    which an element-wise atol of 0.01 calls a failure; max|a-b|/max|ref| does not."""
+    m = _matmul(scale=4.0)
     conv = graphmp.convert(m, None).model
     rep = check(m, conv)
     (o,) = rep.outputs.values()
@@ -168,15 +174,7 @@ def test_check_judges_scale_relative_errors_not_elementwise(tmp_path):
 def test_a_failing_check_says_what_to_do():
     """A budget of 1e-6 fails any FP16 model: the summary points at --max-error floor /
     convert --max-error, and at --metric argmax where decisions did not change."""
-    import numpy as np
-    from onnx import helper, numpy_helper
-    w = np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)
-    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 16])],
-                          [numpy_helper.from_array(w, "W")])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
+    m = _matmul(scale=1.0)
     rep = check(m, graphmp.convert(m, None).model, max_error=1e-6)
     text = rep.summary()
     assert not rep.passed and "hint: graphmp convert --max-error" in text
