@@ -1,7 +1,6 @@
 """State shared by the passes of one conversion."""
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
@@ -141,7 +140,3 @@ class Ctx:
 
 
 FLOAT = TensorProto.FLOAT
-
-
-def display_path(path) -> str:
-    return os.fspath(path) if path is not None else "<model>"

@@ -161,10 +161,6 @@ def _deferred_bytes(model) -> int:
                if t.doc_string.startswith(CONVERT_MARK))
 
 
-def _convert_fn(arr, elem):
-    return to_low(arr, elem)
-
-
 def _check_op_names(ops, model, where):
     """--fp32-ops must name ops of this model or of ONNX (a typo would silently do nothing)."""
     if not ops:
@@ -207,7 +203,7 @@ def convert(src, dst=None, **options) -> ConvertReport:
             report["validation_skipped"] = ("the input is already converted; compare it with its FP32 source: "
                                             f"graphmp check FP32_SOURCE.onnx {path}")
         if dst is not None:
-            save_model(model, os.fspath(dst), base_dir, _convert_fn,
+            save_model(model, os.fspath(dst), base_dir, to_low,
                        opts.external_data if opts.external_data is not None else had_external)
             return ConvertReport(report)
         return ConvertReport(report, model)
@@ -230,7 +226,7 @@ def convert(src, dst=None, **options) -> ConvertReport:
     if dst is None:
         for g in iter_graphs(model.graph):
             for t in g.initializer:
-                materialize(t, base_dir, _convert_fn)
+                materialize(t, base_dir, to_low)
         report["seconds"] = time.perf_counter() - t0
         if opts.validate:
             _validate(report, src, model, opts)
@@ -241,7 +237,7 @@ def convert(src, dst=None, **options) -> ConvertReport:
         ext = had_external or report["weight_bytes_after"] > int(TWO_GB * 0.9)
     report["external_data"] = bool(ext)
     ctx.log(f"writing {dst}{' with external data' if ext else ''}")
-    save_model(model, os.fspath(dst), base_dir, _convert_fn, bool(ext),
+    save_model(model, os.fspath(dst), base_dir, to_low, bool(ext),
                progress=(lambda i, n: ctx.log(f"  tensor {i}/{n}")) if opts.verbose else None)
     report["seconds"] = time.perf_counter() - t0
     if opts.validate:
