@@ -621,6 +621,20 @@ def run_child(cmd, timeout, log_prefix=None) -> dict:
             "stderr_tail": (stderr[-1500:] if (crash or (result and not result.get("ok", True))) else None)}
 
 
+def record_failure(row: dict, child: dict, result: dict) -> bool:
+    """When a conversion child (run_child) crashed, timed out or reported failure, put
+    status, error and traceback (or stderr tail) into the row; True when it did."""
+    if not child["crash"] and result.get("ok"):
+        return False
+    row["status"] = "timeout" if child["timed_out"] else ("crashed" if child["crash"] else "failed")
+    row["error"] = "; ".join(x for x in (child["crash"], result.get("error")) if x) or None
+    if result.get("traceback"):
+        row["traceback"] = result["traceback"]
+    elif child.get("stderr_tail"):
+        row["stderr_tail"] = child["stderr_tail"]
+    return True
+
+
 def _self_cmd(*args):
     return [sys.executable, str(Path(__file__).resolve()), "_worker", *map(str, args)]
 
@@ -759,15 +773,7 @@ def bench_tool(tool, src, workdir: Path, args, avail) -> dict:
         row["tool_report"] = r["tool_report"]
     if r.get("versions"):
         row["tool_versions"] = r["versions"]
-    if c["crash"] or not r.get("ok"):
-        row["status"] = "timeout" if c["timed_out"] else ("crashed" if c["crash"] else "failed")
-        row["error"] = c["crash"] if c["crash"] else r.get("error")
-        if c["crash"] and r.get("error"):
-            row["error"] += f"; {r['error']}"
-        if r.get("traceback"):
-            row["traceback"] = r["traceback"]
-        elif c.get("stderr_tail"):
-            row["stderr_tail"] = c["stderr_tail"]
+    if record_failure(row, c, r):
         return row
     row["status"] = "ok"
     row["output"] = {"path": str(dst) if args.keep else None, "bytes": _dir_bytes(tdir)}

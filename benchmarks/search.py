@@ -98,7 +98,7 @@ REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO), str(REPO / "models")]  # convert.py's helpers; graphmp; documents, corpus
 
 from convert import (DEFAULT_AUTOCAST_PY, _clean_floats, _emit, _err, _json_default, _load_npz,  # noqa: E402
-                     _vmhwm, machine_info, run_child, tool_availability)
+                     _vmhwm, machine_info, record_failure, run_child, tool_availability)
 
 ALL_TOOLS = ("graphmp", "graphmp-budget", "occ-amp", "autocast")
 AVAILABILITY_KEY = {"graphmp": "graphmp", "graphmp-budget": "graphmp", "occ-amp": "occ", "autocast": "autocast"}
@@ -472,13 +472,7 @@ def run_row(row, src, work: Path, data: dict, args, avail) -> dict:
     for k in ("search", "graphmp"):
         if k in r:
             row[k] = r[k]
-    if c["crash"] or not r.get("ok"):
-        row["status"] = "timeout" if c["timed_out"] else ("crashed" if c["crash"] else "failed")
-        row["error"] = "; ".join(x for x in (c["crash"], r.get("error")) if x)
-        if r.get("traceback"):
-            row["traceback"] = r["traceback"]
-        elif c.get("stderr_tail"):
-            row["stderr_tail"] = c["stderr_tail"]
+    if record_failure(row, c, r):
         return row
     row["status"] = "ok"
     e = run_child(_worker_cmd("evaluate", str(dst), src, data["cal"], data["held"], str(work)), args.convert_timeout)
