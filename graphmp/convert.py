@@ -16,8 +16,9 @@ from .context import Ctx, Options
 from .errors import GraphmpError
 from .io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model,
                  save_model, tensor_nbytes)
+from .wire import is_self_reference
 from .passes import PassResult, apply, calibrate, classify, paint, prepare, search, types
-from .passes.apply import to_low
+from .passes.apply import LowConverter, to_low
 
 MARK_KEY = "graphmp"
 
@@ -188,9 +189,11 @@ def convert(src, dst=None, **options) -> ConvertReport:
     """
     t0 = time.perf_counter()
     opts = Options.from_kwargs(options)
-    model, path, base_dir = open_model(src, dst)
+    model, path, base_dir = open_model(src, dst, by_reference=True)
+    t_load = time.perf_counter() - t0
     _check_op_names(opts.fp32_ops, model, path)
-    had_external = any(is_external(t) for g in iter_graphs(model.graph) for t in g.initializer)
+    had_external = any(is_external(t) and not is_self_reference(t, path)
+                       for g in iter_graphs(model.graph) for t in g.initializer)
     ctx = Ctx(model=model, options=opts, path=path, base_dir=base_dir)
     report = {"graphmp_version": __version__, "source": path, "output": os.fspath(dst) if dst else None,
               "target": opts.target, "keep_io_types": opts.keep_io_types}
@@ -213,7 +216,7 @@ def convert(src, dst=None, **options) -> ConvertReport:
         from .pad import pad_model
         report["padding"] = pad_model(model, base_dir, opts.pad_channels)
         ctx.log(f"padded {len(report['padding']['padded'])} layer dims to multiples of {opts.pad_channels}")
-    report["timings"] = run_pipeline(ctx)
+    report["timings"] = {"load": round(t_load, 4), **run_pipeline(ctx)}
     model = ctx.model
     report["weight_bytes_before"] = report["prepare"]["weight_bytes"]  # Constant nodes counted as weights
     _report_nodes(ctx)
@@ -223,10 +226,11 @@ def convert(src, dst=None, **options) -> ConvertReport:
     meta.key, meta.value = MARK_KEY, json.dumps({"version": __version__, "target": opts.target,
                                                  "keep_io_types": opts.keep_io_types})
 
+    low = LowConverter(report.get("rounding", []))
     if dst is None:
         for g in iter_graphs(model.graph):
             for t in g.initializer:
-                materialize(t, base_dir, to_low)
+                materialize(t, base_dir, low)
         report["seconds"] = time.perf_counter() - t0
         if opts.validate:
             _validate(report, src, model, opts)
@@ -237,8 +241,10 @@ def convert(src, dst=None, **options) -> ConvertReport:
         ext = had_external or report["weight_bytes_after"] > int(TWO_GB * 0.9)
     report["external_data"] = bool(ext)
     ctx.log(f"writing {dst}{' with external data' if ext else ''}")
-    save_model(model, os.fspath(dst), base_dir, to_low, bool(ext),
+    t_write = time.perf_counter()
+    save_model(model, os.fspath(dst), base_dir, low, bool(ext),
                progress=(lambda i, n: ctx.log(f"  tensor {i}/{n}")) if opts.verbose else None)
+    report["timings"]["write"] = round(time.perf_counter() - t_write, 4)  # includes deferred conversions
     report["seconds"] = time.perf_counter() - t0
     if opts.validate:
         _validate(report, path, os.fspath(dst), opts)

@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto
 
 from .errors import GraphmpError
+from .wire import read_by_reference, write_streaming
 
 TWO_GB = 2**31
 INLINE_LIMIT = 1024  # tensors this small stay inline when writing external data
@@ -84,16 +85,20 @@ def tensor_array(t: TensorProto, base_dir: str) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype).reshape(tuple(t.dims))
 
 
-def load_model(path: str) -> onnx.ModelProto:
-    """Load the graph (not the external weights) with clear errors for bad input."""
+def load_model(path: str, by_reference: bool = False) -> onnx.ModelProto:
+    """Load the graph (not the external weights) with clear errors for bad input.
+
+    by_reference: large weights stored inside the .onnx file are not parsed either:
+    they become external-data references into the file itself (graphmp.wire), read one
+    tensor at a time like external data. Peak memory is then the graph, not the model."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise GraphmpError(f"{path}: no such file. Give the path of an .onnx model.")
     if os.path.isdir(path):
         raise GraphmpError(f"{path}: is a directory. Give the path of an .onnx model file.")
     try:
-        model = onnx.load(path, load_external_data=False)
-    except (DecodeError, RuntimeError, ValueError, OSError) as e:
+        model = read_by_reference(path) if by_reference else onnx.load(path, load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError, OSError, IndexError) as e:
         raise GraphmpError(f"{path}: not a readable ONNX model ({type(e).__name__}: {str(e)[:120]}). "
                            "Check that the file is a complete .onnx export (not truncated, not another format).") from None
     if not model.graph.node or not model.graph.output:
@@ -137,10 +142,10 @@ def check_writable(out_path: str, src_path: str | None):
 CONVERT_MARK = "graphmp:convert-to:"
 
 
-def open_model(src, dst=None):
-    """(model, path, base_dir) for a path (loaded without external data) or a ModelProto
-    (copied; the caller's stays untouched). Checks first that `dst`, if given, can be
-    written and is not the input."""
+def open_model(src, dst=None, by_reference: bool = False):
+    """(model, path, base_dir) for a path (loaded without external data; see load_model
+    for by_reference) or a ModelProto (copied; the caller's stays untouched). Checks
+    first that `dst`, if given, can be written and is not the input."""
     if isinstance(src, onnx.ModelProto):
         model = onnx.ModelProto()
         model.CopyFrom(src)
@@ -149,7 +154,7 @@ def open_model(src, dst=None):
         path = os.fspath(src)
         if dst is not None:
             check_writable(os.fspath(dst), path)
-        model = load_model(path)
+        model = load_model(path, by_reference)
         base_dir = os.path.dirname(os.path.abspath(path))
     if dst is not None:
         check_writable(os.fspath(dst), None)
@@ -164,7 +169,7 @@ def materialize(t: TensorProto, src_dir: str | None, convert_fn) -> None:
         return
     arr = tensor_array(t, src_dir)
     if mark:
-        elem, raw = convert_fn(arr, int(t.doc_string[len(CONVERT_MARK):]))
+        elem, raw = convert_fn(arr, int(t.doc_string[len(CONVERT_MARK):]), t.name)
         t.ClearField("doc_string")
         t.data_type = elem
     else:
@@ -224,10 +229,13 @@ def save_model(model: onnx.ModelProto, out_path: str, src_dir: str | None, conve
                external: bool, progress=None):
     """Write `model` to `out_path` atomically.
 
-    convert_fn(array, elem_type) -> (elem_type, bytes) applies conversions deferred to
-    this streaming write (external tensors marked by the apply pass).
-    external: write weights to '<out name>.data' next to the model.
+    convert_fn(array, elem_type, name) -> (elem_type, bytes) applies conversions deferred
+    to this streaming write (external tensors marked by the apply pass).
+    external: write weights to '<out name>.data' next to the model. Otherwise the model
+    is written in one file, its top-level weights streamed one at a time (graphmp.wire).
     """
+    if not external:
+        return _save_inline(model, out_path, src_dir, convert_fn, progress)
     out_path = os.path.abspath(out_path)
     d = os.path.dirname(out_path)
     data_name = os.path.basename(out_path) + ".data"
@@ -250,7 +258,7 @@ def save_model(model: onnx.ModelProto, out_path: str, src_dir: str | None, conve
                 # marked; the bytes never enter the proto (protobuf keeps cleared bytes)
                 raw = tensor_array(t, src_dir)
                 if t.doc_string.startswith(CONVERT_MARK):
-                    elem, raw = convert_fn(raw, int(t.doc_string[len(CONVERT_MARK):]))
+                    elem, raw = convert_fn(raw, int(t.doc_string[len(CONVERT_MARK):]), t.name)
                     t.data_type = elem
                     t.ClearField("doc_string")
                 else:
@@ -300,6 +308,62 @@ def save_model(model: onnx.ModelProto, out_path: str, src_dir: str | None, conve
                 os.unlink(f)
             except OSError:
                 pass
+
+
+def _save_inline(model, out_path, src_dir, convert_fn, progress):
+    """save_model without external data: subgraph weights brought inline, top-level
+    weights read, converted and written one at a time; fails before writing anything
+    when the result would pass protobuf's 2 GB limit."""
+    for g in iter_graphs(model.graph):
+        if g is not model.graph:
+            for t in g.initializer:
+                materialize(t, src_dir, convert_fn)
+    tensors = list(model.graph.initializer)
+    done = [0]
+
+    def target_nbytes(t):
+        if not t.doc_string.startswith(CONVERT_MARK):
+            return tensor_nbytes(t)
+        count = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1
+        return count * np_dtype(int(t.doc_string[len(CONVERT_MARK):])).itemsize
+
+    def tensor_data(t):
+        mark = t.doc_string.startswith(CONVERT_MARK)
+        if not mark and not is_external(t):
+            return t, 0, None
+        meta = TensorProto()
+        meta.CopyFrom(t)
+        for f in ("raw_data", "float_data", "double_data", "int32_data", "int64_data", "uint64_data", "doc_string"):
+            meta.ClearField(f)
+        del meta.external_data[:]
+        meta.data_location = TensorProto.DEFAULT
+        if mark:
+            meta.data_type = int(t.doc_string[len(CONVERT_MARK):])
+        nbytes = tensor_nbytes(meta)
+
+        def chunks():
+            if progress and done[0] % 50 == 0:
+                progress(done[0], len(tensors))
+            done[0] += 1
+            arr = tensor_array(t, src_dir)
+            if mark:
+                elem, raw = convert_fn(arr, meta.data_type, t.name)
+                if elem != meta.data_type:
+                    raise RuntimeError(f"{t.name}: converted to type {elem}, announced {meta.data_type}")
+                yield raw
+            else:
+                yield arr.tobytes()
+        return meta, nbytes, chunks
+
+    size = model.ByteSize() + sum(target_nbytes(t) for t in tensors if is_external(t))
+    if size >= TWO_GB:
+        raise GraphmpError(f"{out_path}: the model is over 2 GB; write it with --external-data.")
+    try:
+        with atomic_write(out_path) as f:
+            write_streaming(model, f, tensor_data)
+    except OSError as e:
+        raise GraphmpError(f"{out_path}: could not write the output ({e.strerror or e}). "
+                           "Check free disk space and permissions; nothing was written.") from None
 
 
 @contextlib.contextmanager

@@ -93,12 +93,13 @@ def _align_legacy_broadcast(model, where: str) -> None:
         b = n.input[1]
         t = inits.get(b)
         if t is not None and uses.get(b) == 1:
-            arr = numpy_helper.to_array(t)
-            t.CopyFrom(numpy_helper.from_array(arr.reshape(arr.shape + (1,) * trailing), b))
+            shape = tuple(t.dims) + (1,) * trailing  # a reshape: the stored bytes (inline or external) stay
+            del t.dims[:]
+            t.dims.extend(shape)
             for v in g.input:  # IR 3 lists initializers as inputs too
                 if v.name == b:
                     v.type.tensor_type.ClearField("shape")
-                    for d in arr.shape + (1,) * trailing:
+                    for d in shape:
                         v.type.tensor_type.shape.dim.add().dim_value = d
         else:
             new = f"{b}__legacy_aligned_{n.name or n.op_type}"

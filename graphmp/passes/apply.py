@@ -23,25 +23,90 @@ from onnx import TensorProto, helper
 
 from ..context import FLOAT
 from ..io import CONVERT_MARK, is_external, tensor_array
+from ..kernels import to_fp16_noting
 from . import PassResult
 SUFFIX = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}
 
 
-def to_low(arr: np.ndarray, low: int):
-    """(elem_type, raw bytes) of a float32 array in the low type (round to nearest even)."""
-    a = np.asarray(arr, dtype=np.float32)
-    if low == TensorProto.FLOAT16:
-        return low, a.astype(np.float16).tobytes()
+BLOCK = 1 << 18  # elements per block: the temporaries of a block stay in cache
+FP16_MAX = 65504.0
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
     bits = a.view(np.uint32).astype(np.uint64)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    rounded = np.where(np.isnan(a), np.uint16(0x7FC0), rounded)
-    return low, rounded.tobytes()
+    return np.where(np.isnan(a), np.uint16(0x7FC0), rounded)
 
 
-def low_from_bytes(raw: bytes, low: int) -> np.ndarray:
+def _low_block(x: np.ndarray, low: int) -> tuple[np.ndarray, np.ndarray]:
+    """(stored values, their float32 value) of a float32 block in the low type."""
     if low == TensorProto.FLOAT16:
-        return np.frombuffer(raw, dtype=np.float16).astype(np.float32)
-    return (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+        y = x.astype(np.float16)
+        return y, y.astype(np.float32)
+    y = _bf16_bits(x)
+    return y, (y.astype(np.uint32) << 16).view(np.float32)
+
+
+def convert_noting(arr: np.ndarray, low: int) -> tuple[bytes, dict | None]:
+    """(raw bytes in the low type, what rounding changed or None when nothing did).
+
+    Blockwise (round to nearest even), so the cost is one pass over the tensor and a few
+    block-sized temporaries, not a dozen full-size ones. The facts: elements changed,
+    the largest absolute and relative change among finite values, nonzero values flushed
+    to zero, finite values that overflowed to inf."""
+    if low == TensorProto.FLOAT16:  # ONNX Runtime's Cast: 10x numpy's speed, same rounding
+        out, facts = to_fp16_noting(arr)
+        return out.tobytes(), ({"elements": int(out.size), **facts} if facts["changed"] else None)
+    a = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
+    out = np.empty(a.size, dtype=np.uint16)
+    changed = flushed = overflowed = 0
+    max_abs = max_rel = 0.0
+    for i in range(0, a.size, BLOCK):
+        x = a[i:i + BLOCK]
+        y, back = _low_block(x, low)
+        out[i:i + BLOCK] = y
+        n = x.size - int(np.count_nonzero(back == x))
+        if not n:
+            continue
+        changed += n
+        ax = np.abs(x)
+        d = np.abs(back - x)               # NaN where x is not finite: fmax skips it
+        if (low == TensorProto.FLOAT16 and np.fmax.reduce(ax) > FP16_MAX) or np.isinf(back).any():
+            over = np.isinf(back) & np.isfinite(x)
+            overflowed += int(np.count_nonzero(over))
+            d[over] = np.inf
+        max_abs = max(max_abs, float(np.fmax.reduce(d)))
+        max_rel = max(max_rel, float(np.fmax.reduce(d / np.maximum(ax, 1e-30))))
+        flushed += int(np.count_nonzero((back == 0) & (ax > 0)))
+    if not changed:
+        return out.tobytes(), None
+    return out.tobytes(), {"elements": int(a.size), "changed": changed, "max_abs_change": max_abs,
+                           "max_rel_change": max_rel, "flushed_to_zero": flushed, "overflowed": overflowed}
+
+
+def to_low(arr: np.ndarray, low: int, name=None):
+    """(elem_type, raw bytes) of a float32 array in the low type (round to nearest even)."""
+    return low, convert_noting(arr, low)[0]
+
+
+class LowConverter:
+    """The convert_fn of io.save_model / io.materialize for conversions the apply pass
+    deferred to the write: converts, and fills the tensor's entry of the rounding report
+    (entries marked "deferred" until then) with what rounding changed."""
+
+    def __init__(self, rounding: list):
+        self.rounding = rounding
+
+    def __call__(self, arr: np.ndarray, low: int, name=None):
+        raw, facts = convert_noting(arr, low)
+        for i, e in enumerate(self.rounding):
+            if e.get("initializer") == name and e.get("deferred"):
+                if facts is None:
+                    del self.rounding[i]
+                else:
+                    self.rounding[i] = {"initializer": name, **facts}
+                break
+        return low, raw
 
 
 class Rewriter:
@@ -110,30 +175,14 @@ class Rewriter:
             dst.doc_string = CONVERT_MARK + str(self.low)  # io.save_model converts it while streaming
             self.rounding.append({"initializer": dst.name, "deferred": True, "elements": int(np.prod(t.dims))})
             return dst.name
-        arr = tensor_array(t, ctx.base_dir).astype(np.float32)
-        elem, raw = to_low(arr, self.low)
-        back = low_from_bytes(raw, self.low).reshape(arr.shape)
-        self._note_rounding(dst.name, arr, back)
+        raw, facts = convert_noting(tensor_array(t, ctx.base_dir), self.low)
+        if facts is not None:
+            self.rounding.append({"initializer": dst.name, **facts})
         for f in ("float_data", "raw_data", "double_data"):
             dst.ClearField(f)
-        dst.data_type = elem
+        dst.data_type = self.low
         dst.raw_data = raw
         return dst.name
-
-    def _note_rounding(self, name, arr, back):
-        diff = np.abs(back - arr)
-        changed = int(np.count_nonzero(back != arr))
-        if not changed:
-            return
-        finite = np.isfinite(arr)
-        rel = diff[finite] / np.maximum(np.abs(arr[finite]), 1e-30)
-        self.rounding.append({
-            "initializer": name, "elements": int(arr.size), "changed": changed,
-            "max_abs_change": float(diff[finite].max()) if finite.any() else 0.0,
-            "max_rel_change": float(rel.max()) if rel.size else 0.0,
-            "flushed_to_zero": int(np.count_nonzero((back == 0) & (arr != 0))),
-            "overflowed": int(np.count_nonzero(np.isinf(back) & finite)),
-        })
 
 
 def apply(ctx):

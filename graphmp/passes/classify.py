@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 from onnx import TensorProto
 
 from .. import ops
 from ..context import FLOAT, NodeInfo
 from ..errors import GraphmpError
 from ..io import tensor_array
+from ..kernels import range_facts
 from . import PassResult
 
 FP16_MAX = 65504.0
@@ -107,10 +107,8 @@ class InitStats:
             if t.data_type != TensorProto.FLOAT:
                 self.cache[key] = None
             else:
-                a = tensor_array(t, self.ctx.base_dir).astype(np.float32, copy=False)
-                finite = np.abs(a[np.isfinite(a)]) if a.size else a
-                maxabs = float(finite.max()) if finite.size else 0.0
-                tiny = int(np.count_nonzero((finite > 0) & (finite < FP16_TINY / 2)))
+                a = tensor_array(t, self.ctx.base_dir)
+                maxabs, tiny = range_facts(a, FP16_TINY / 2)
                 self.cache[key] = (maxabs, tiny, int(a.size))
         return self.cache[key]
 
