@@ -26,7 +26,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .io import attr_graphs, iter_graphs, tensor_array
+from .io import CONVERT_MARK, attr_graphs, iter_graphs, tensor_array
 from .ir import Names
 
 LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -87,8 +87,16 @@ class _Rewriter:
 
     def graph(self, g, key):
         types = self.types.get(key, {})
+        nodes = []
         for t in g.initializer:
-            if t.data_type in LOW:
+            if t.doc_string.startswith(CONVERT_MARK):
+                # converted while the output is written (graphmp.io.save_model): round it in
+                # the graph, so the FP32 bytes stay where they are (external or by reference)
+                low = int(t.doc_string[len(CONVERT_MARK):])
+                name, t.name = t.name, self.names.fresh(f"{t.name}__emu_fp32")
+                t.ClearField("doc_string")
+                nodes.extend(self.round_node(t.name, name, low))
+            elif t.data_type in LOW:
                 arr = tensor_array(t, self.base_dir)
                 if t.data_type == TensorProto.BFLOAT16:
                     arr = (arr.astype("uint32") << 16).view("float32")
@@ -97,7 +105,6 @@ class _Rewriter:
             if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type in LOW:
                 v.type.tensor_type.elem_type = FLOAT
         del g.value_info[:]
-        nodes = []
         for i, n in enumerate(g.node):
             for a in n.attribute:
                 for j, sg in enumerate(attr_graphs(a)):

@@ -178,3 +178,15 @@ def test_conversion_by_reference_equals_conversion_in_memory(tmp_path):
     assert {"load", "write"} <= set(rep_file["timings"])
     onnx.checker.check_model(str(out), full_check=True)
     assert os.path.getsize(out) < os.path.getsize(path)
+
+
+def test_budget_verified_on_weights_converted_while_writing(tmp_path):
+    """With weights read by reference, their FP16 conversion waits for the write; the
+    search's verification still measures the model as written (the emulation rounds
+    those weights in the graph), and agrees with the search's own prediction."""
+    path = tmp_path / "m.onnx"
+    onnx.save(_model(), path)
+    rep = graphmp.convert(str(path), str(tmp_path / "out.onnx"), max_error=0.05).to_dict()
+    s = rep["search"]
+    assert isinstance(s["verified"], dict), s["verified"]
+    assert s["verified"]["normalized"] == pytest.approx(s["error"], rel=1e-6, abs=1e-12)

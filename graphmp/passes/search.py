@@ -416,9 +416,6 @@ def verify(ctx) -> PassResult:
     if budget is None:
         return PassResult(changed=False)
     from ..emulate import emulated_runner
-    from ..io import iter_graphs
-    if any(t.data_location == TensorProto.EXTERNAL for g in iter_graphs(ctx.model.graph) for t in g.initializer):
-        return PassResult(changed=False, details={"verified": "skipped (weights in external data)"})
     batches = ctx.batches[:MAX_SEARCH_BATCHES + 1]
     emu = emulated_runner(ctx.model, ctx.base_dir)
     errs = errors(ctx.search_refs, [emu(x) for x in batches], budget.metric)
