@@ -3,6 +3,8 @@
 
     python benchmarks/synth.py bert --layers 12 -o /tmp/bert_base.onnx     # 110 M params, ~440 MB
     python benchmarks/synth.py resnet50 -o /tmp/resnet50.onnx                # 25.6 M params, ~100 MB
+    python benchmarks/synth.py gpt2 -o /tmp/gpt2.onnx                        # 124 M params, tied LM head
+    python benchmarks/synth.py gpt2 --layers 36 --hidden 1280 -o /tmp/g.onnx # GPT-2-large size, external data
 
 Used by benchmarks/convert_speed.py for the conversion speed / memory comparison and its
 cost model (transformers of 2..48 layers): a converter's time depends on node count and
@@ -14,6 +16,7 @@ without torch or a download. Activations stay in a realistic range (weights scal
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -61,10 +64,13 @@ def _gelu(g: _G, x):
                         g.const("half", np.float32(0.5))])
 
 
-def bert(layers=12, hidden=768, heads=12, ffn=3072, vocab=30522, max_pos=512, seed=0) -> onnx.ModelProto:
+def bert(layers=12, hidden=768, heads=12, ffn=3072, vocab=30522, max_pos=512, seed=0, lm_head=False) -> onnx.ModelProto:
     """A BERT encoder as torch.onnx exports HF BertModel (opset 17): embeddings + LayerNorm,
     `layers` x (self-attention with an additive mask, residual + LayerNorm, GELU FFN,
-    residual + LayerNorm), a tanh pooler. Inputs input_ids / attention_mask [batch, seq]."""
+    residual + LayerNorm), a tanh pooler. Inputs input_ids / attention_mask [batch, seq].
+    lm_head: a GPT-2-style head instead of the pooler, logits = x @ word_embeddings^T (the
+    embedding table is shared by the Gather and the head, as in tied exports). The mask
+    stays bidirectional: the ops and sizes of GPT-2 are what a converter's cost depends on."""
     g = _G(seed)
     hd = hidden // heads
     ids, mask = "input_ids", "attention_mask"
@@ -95,17 +101,21 @@ def bert(layers=12, hidden=768, heads=12, ffn=3072, vocab=30522, max_pos=512, se
         x = _layer_norm(g, g.op("Add", [proj(a, hidden, hidden), x]), hidden)
         h = _gelu(g, proj(x, hidden, ffn))
         x = _layer_norm(g, g.op("Add", [proj(h, ffn, hidden), x]), hidden)
-    first = g.op("Gather", [x, g.const("i0", np.array(0, np.int64))], axis=1)
-    pooled = g.op("Tanh", [g.op("Gemm", [first, g.w("pool_W", [hidden, hidden]), g.w("pool_b", [hidden], 0.02)])])
     g.nodes.append(helper.make_node("Identity", [x], ["last_hidden_state"]))
-    g.nodes.append(helper.make_node("Identity", [pooled], ["pooler_output"]))
+    outputs = [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["batch", "sequence", hidden])]
+    if lm_head:
+        g.nodes.append(helper.make_node("MatMul", [x, g.op("Transpose", [words], perm=[1, 0])], ["logits"]))
+        outputs.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", vocab]))
+    else:
+        first = g.op("Gather", [x, g.const("i0", np.array(0, np.int64))], axis=1)
+        pooled = g.op("Tanh", [g.op("Gemm", [first, g.w("pool_W", [hidden, hidden]), g.w("pool_b", [hidden], 0.02)])])
+        g.nodes.append(helper.make_node("Identity", [pooled], ["pooler_output"]))
+        outputs.append(helper.make_tensor_value_info("pooler_output", TensorProto.FLOAT, ["batch", hidden]))
     graph = helper.make_graph(
-        g.nodes, f"bert_{layers}l",
+        g.nodes, f"{'decoder' if lm_head else 'bert'}_{layers}l",
         [helper.make_tensor_value_info(ids, TensorProto.INT64, ["batch", "sequence"]),
          helper.make_tensor_value_info(mask, TensorProto.INT64, ["batch", "sequence"])],
-        [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["batch", "sequence", hidden]),
-         helper.make_tensor_value_info("pooler_output", TensorProto.FLOAT, ["batch", hidden])],
-        g.inits)
+        outputs, g.inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="graphmp-synth")
 
 
@@ -146,18 +156,26 @@ def resnet50(classes=1000, seed=0) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="graphmp-synth")
 
 
+def save(m: onnx.ModelProto, path: str) -> None:
+    """onnx.save, with the weights in `<path>.data` when the model passes 2 GB."""
+    big = sum(len(t.raw_data) for t in m.graph.initializer) > 1_900_000_000
+    onnx.save(m, path, save_as_external_data=big, all_tensors_to_one_file=True,
+              location=os.path.basename(path) + ".data" if big else None)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kind", choices=["bert", "resnet50"])
+    ap.add_argument("kind", choices=["bert", "gpt2", "resnet50"])
     ap.add_argument("-o", "--output", required=True)
     ap.add_argument("--layers", type=int, default=12, help="encoder layers (bert)")
     ap.add_argument("--hidden", type=int, default=768, help="hidden size (bert)")
     a = ap.parse_args(argv)
-    if a.kind == "bert":
-        m = bert(a.layers, a.hidden, heads=max(a.hidden // 64, 1), ffn=4 * a.hidden)
-    else:
+    if a.kind == "resnet50":
         m = resnet50()
-    onnx.save(m, a.output)
+    else:
+        m = bert(a.layers, a.hidden, heads=max(a.hidden // 64, 1), ffn=4 * a.hidden,
+                 **(dict(vocab=50257, max_pos=1024, lm_head=True) if a.kind == "gpt2" else {}))
+    save(m, a.output)
     print(f"{a.output}: {len(m.graph.node)} nodes, "
           f"{sum(int(np.prod(t.dims)) for t in m.graph.initializer) / 1e6:.1f} M parameters")
     return 0
