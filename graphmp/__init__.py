@@ -4,21 +4,21 @@
     graphmp.check("model.onnx", "model.mp.onnx")     # FP16-faithful accuracy check
     graphmp.bench("model.onnx").table()              # FP32 vs TF32 vs mixed FP16: speed and accuracy
 
-bench and build_engine are imported on first use (PEP 562), so `import graphmp` and the
-CLI start without loading the benchmark and TensorRT code. convert and check are bound
-eagerly: their submodules share their names, and importing a submodule would otherwise
-rebind `graphmp.check` to the module.
+The public names are imported on first use (PEP 562), so `import graphmp` and
+`graphmp --help` start without loading onnx, ONNX Runtime or the benchmark code.
 """
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 from .version import __version__
 from .errors import GraphmpError
-from .convert import ConvertReport, convert
-from .check import CheckReport, check
 
 _LAZY = {
+    "convert": ".convert", "ConvertReport": ".convert",
+    "check": ".check", "CheckReport": ".check",
     "bench": ".bench", "BenchResult": ".bench",      # TensorRT/torch are imported only when used
     "build_engine": ".trt", "BuildResult": ".trt",
 }
@@ -38,3 +38,16 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule graphmp.check (or .convert, .bench) binds it to the package
+    attribute of the same name; the public API there is the function, so keep that."""
+
+    def __setattr__(self, name, value):
+        if name in ("convert", "check", "bench") and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,0 +1,77 @@
+"""graphmp.bench: how much faster mixed FP16 is than FP32 and TF32, and what it costs in accuracy.
+
+    res = graphmp.bench("model.onnx", backends="ort-cpu", batches=(1, 8))
+    print(res.table()); res.write_json("bench.json"); res.plot("bench.png")
+
+One run (run.py) builds the compared models (models.py), plans the rows (plan.py: backend x
+precision x batch x session-option variant), opens and times them behind one runner
+interface (runners.py), judges their accuracy (judge.py) and writes the report (report.py):
+
+- backends: `trt` (TensorRT engine, strongly typed, graphmp/trt.py), `ort-cuda` (ONNX
+  Runtime CUDA EP, inputs and outputs bound on the device with I/O binding), `ort-cpu`.
+- precisions: `fp32` = the FP32 baseline with TF32 off (strict FP32), `tf32` = the same
+  with TF32 on (the default of TensorRT and ORT CUDA), `fp16` = the graphmp-converted
+  model, `occ` = onnxconverter-common (--compare occ), `ort-opt` = ONNX Runtime's
+  transformers optimizer, fused and float16 (--compare ort-opt). The FP32 baseline is the
+  source through graphmp's pipeline with no precision change, so it has the same graph
+  cleanups as the converted model and a speedup is precision alone.
+- variants (ORT CUDA only): `default`, `nhwc` (prefer_nhwc=1), `cuda-graph`
+  (enable_cuda_graph=1, static shapes only); `fastest` names the best per precision.
+  Speedups compare rows of the same backend, batch and variant.
+- provider: every ORT session's get_providers() is read back; a row runs only on what was
+  asked. An ort-cuda session that came up on the CPU fails its row (error says what ran,
+  `provider` names it) and the backend is marked `fell-back`: no CPU time under a CUDA label.
+- timing ("host-sync", the same for every backend): host wall time around one synchronized
+  run; `warmup` untimed runs, then `rounds` interleaved rounds until every row has
+  `iterations` runs and `min_time` seconds. median / p90 / p99; throughput = batch / median.
+- accuracy: per output, max|a-b|/max|ref| (`error`), max abs, cosine, SNR and argmax
+  agreement, vs ONNX Runtime CPU on the FP32 source with the same inputs. The TF32 error
+  is the yardstick: in tolerance = no new inf/NaN and error <= max(max_error, tf32_factor x
+  TF32 error) per output (the TF32 row of the same backend/batch/variant, else TF32
+  emulated on ORT CPU). On the CPU the FP16-faithful oracle also checks the mixed models.
+- memory: GPU rows: device memory in use after warm-up minus before the session/engine.
+
+JSON schema (schema_version 2; `BenchResult.to_dict()`, `graphmp bench --json`):
+    schema_version: 2
+    timing: "host-sync"
+    environment: {device, gpus, cpu, cpu_count, driver, cuda, cudnn, tensorrt, onnxruntime,
+                  onnxruntime_package, onnx, numpy, torch, onnxconverter_common, graphmp, python,
+                  platform, command, timestamp}                      (null where not available)
+    settings: {backends, precisions, compare, compare_occ, batches, data, shapes, inputs, seed,
+               warmup, iterations, min_time_s, rounds, cudnn_conv_algo_search, timing_cache,
+               workspace_mb, max_error, tf32_factor, atol, rtol, rule, oracle_max_mb, model_type,
+               timing, timing_text}
+    model: {path, fp32_baseline: {path, how, prepare, nodes_low, casts_added}|null, converted_path,
+            conversion, compared: {occ|ort-opt: {path, ...}|{error}}, kept_in, fp32_available,
+            weight_bytes, inputs: [{name, dtype, shape}], fixed_batch}
+    backends: {name: {status: "ok"|"skipped"|"fell-back", reason}}
+    rows: [{backend, precision, variant, label, model, batch, provider, tf32, status: "ok"|"failed",
+            error, settings: {provider, ..., timing}, latency_ms: {median, p90, p99, mean, min, max}|null,
+            iterations, throughput_per_s, speedup_vs_fp32, speedup_vs_tf32, peak_device_memory_bytes,
+            memory_note, engine_bytes, build_s, output_shapes,
+            accuracy: {reference, passed, error, max_abs, cosine, snr_db, argmax_agree, nonfinite,
+                       tf32_error, vs_tf32, yardstick, outputs: {name: {error, max_abs, cosine, snr_db,
+                       argmax_agree, nonfinite, tf32_error, allowed, vs_tf32, passed}}}|null}]
+    fastest: [{backend, batch, precision, variant, median_ms, by_variant: {variant: ms}}]
+    accuracy: {reference, rule, max_error, tf32_factor, yardsticks: [{batch, source, errors}]}
+    oracle: [{precision, batch, status, reason, oracle, passed, max_abs, max_rel, argmax_agree, nonfinite}]
+    notes: [str]
+Non-finite numbers are written as null.
+"""
+from .env import environment, gpu_names
+from .judge import judge_outputs, output_metrics, rule_text
+from .models import convert_occ, convert_ort_opt, fp32_baseline, guess_model_type
+from .plan import BACKENDS, LABELS, PRECISIONS, VARIANTS, RowSpec, plan_rows, static_shapes
+from .report import BenchResult
+from .run import SCHEMA_VERSION, Settings, bench
+from .runners import (TIMING, FellBack, OrtRunner, TrtRunner, device_memory_used, latency_stats,
+                      ort_cuda_status, timed_loop, trt_status)
+
+# the names benchmarks/*.py used before the split
+_ort_cuda_status, _trt_status = ort_cuda_status, trt_status
+
+__all__ = ["bench", "BenchResult", "Settings", "SCHEMA_VERSION", "BACKENDS", "PRECISIONS", "VARIANTS", "LABELS",
+           "RowSpec", "plan_rows", "static_shapes", "judge_outputs", "output_metrics", "rule_text", "OrtRunner",
+           "TrtRunner", "FellBack", "TIMING", "timed_loop", "latency_stats", "device_memory_used", "environment",
+           "gpu_names", "convert_occ", "convert_ort_opt", "fp32_baseline", "guess_model_type", "ort_cuda_status",
+           "trt_status"]

@@ -1,0 +1,510 @@
+"""One bench run: settings -> models -> inputs -> planned rows opened, timed, judged -> result.
+
+The pieces it composes are testable alone: plan.py (which rows), runners.py (prepare,
+run, time, outputs per backend), judge.py (accuracy and the TF32 yardstick), models.py
+(the compared models), report.py (table / JSON / PNG).
+"""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, fields
+
+import onnx
+
+from ..budget import tf32_model
+from ..check import check
+from ..convert import convert
+from ..errors import GraphmpError
+from ..inputs import batch_positions, find_shapes, generate, input_specs, parse_shapes, rebatch, user_batches
+from ..io import load_model, model_weight_bytes
+from ..oracle import run_ort
+from ..oracle import runner as ort_runner
+from ..progress import Progress
+from . import judge as J
+from .env import environment, gpu_names
+from .models import ORT_OPT_TYPES, convert_occ, convert_ort_opt, fp32_baseline
+from .plan import BACKENDS, COMPARE, LABELS, PRECISIONS, SOURCES, groups, plan_rows, static_shapes
+from .report import BenchResult, clean
+from .runners import (TIMING, TIMING_TEXT, FellBack, OrtRunner, TrtRunner, device_memory_used, latency_stats,
+                      ort_cuda_options, ort_cuda_status, time_interleaved, timed_loop, trt_status)
+
+SCHEMA_VERSION = 2
+CUDNN_SEARCH = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
+
+
+@dataclass
+class Settings:
+    """What one run was asked (validated by `from_kwargs`); written to the JSON's settings."""
+    backends: list = field(default_factory=lambda: list(BACKENDS))
+    precisions: list = field(default_factory=lambda: ["fp32", "tf32", "fp16"])
+    batches: list = field(default_factory=lambda: [1])
+    data: str | None = None
+    shapes: dict | None = None
+    seed: int = 0
+    warmup: int = 10
+    iterations: int = 50
+    min_time: float = 1.0
+    rounds: int = 5
+    cudnn_conv_algo_search: str = "EXHAUSTIVE"
+    timing_cache: str | None = None
+    workspace_mb: int | None = None
+    max_error: float = J.DEFAULT_MAX_ERROR
+    tf32_factor: float = J.DEFAULT_TF32_FACTOR
+    atol: float | None = None
+    rtol: float | None = None
+    oracle_max_mb: float = 50.0
+    model_type: str | None = None
+
+    @classmethod
+    def from_kwargs(cls, backends, precisions, compare, batches, **kw) -> "Settings":
+        s = cls(**kw)
+        s.backends = _csv(backends, "backend", BACKENDS)
+        compare = _csv(compare or [], "comparison (--compare)", COMPARE)
+        s.precisions = _csv(precisions, "precision", PRECISIONS) if precisions else ["fp32", "tf32", "fp16"]
+        s.precisions += [p for p in compare if p not in s.precisions]
+        s.batches = _batches(batches)
+        s.shapes = parse_shapes(s.shapes) or None
+        if s.cudnn_conv_algo_search not in CUDNN_SEARCH:
+            raise GraphmpError(f"cudnn_conv_algo_search must be one of {', '.join(CUDNN_SEARCH)}")
+        if s.warmup < 0 or s.iterations < 1 or s.min_time < 0 or s.rounds < 1:
+            raise GraphmpError("need warmup >= 0, iterations >= 1, min_time >= 0 and rounds >= 1")
+        if not (s.max_error > 0 and s.tf32_factor >= 1):
+            raise GraphmpError(f"need --max-error > 0 and --tf32-factor >= 1 (got {s.max_error}, {s.tf32_factor})")
+        if s.model_type is not None and s.model_type not in ORT_OPT_TYPES:
+            raise GraphmpError(f"--model-type '{s.model_type}' is not one of {', '.join(ORT_OPT_TYPES)}")
+        return s
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["min_time_s"] = d.pop("min_time")
+        d["rule"] = J.rule_text(self.max_error, self.tf32_factor, self.atol, self.rtol)
+        d["timing"], d["timing_text"] = TIMING, TIMING_TEXT
+        return d
+
+
+def _csv(x, what, allowed=None):
+    items = [s.strip() for s in x.split(",") if s.strip()] if isinstance(x, str) else list(x)
+    bad = [s for s in items if allowed is not None and s not in allowed]
+    if bad:
+        raise GraphmpError(f"unknown {what} {bad}; choose from {', '.join(allowed)}")
+    return items
+
+
+def _batches(x) -> list:
+    try:
+        items = [int(b) for b in _csv(str(x) if isinstance(x, int) else x, "batch")]
+    except (TypeError, ValueError):
+        raise GraphmpError(f"batch sizes must be positive integers like 1,8,32, not {x!r}") from None
+    if not items or any(b < 1 for b in items):
+        raise GraphmpError(f"batch sizes must be positive integers like 1,8,32, not {x!r}")
+    return sorted(set(items))
+
+
+def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=None, compare=None,
+          compare_occ: bool = False, batches=(1,), keep=None, command: str | None = None, progress: bool = True,
+          **options) -> BenchResult:
+    """Time and check `model` (an FP32 .onnx, or one already converted by graphmp) per backend,
+    precision, batch and session-option variant. See graphmp.bench's docstring for what is
+    measured and the JSON schema.
+
+    converted: a converted model to use for the fp16 rows instead of converting `model`.
+    backends / precisions: names or 'a,b' strings (default: fp32,tf32,fp16).
+    compare: other converters as extra precisions: 'occ' (onnxconverter-common), 'ort-opt'
+      (ONNX Runtime's transformers optimizer, float16; model type from the graph or
+      `model_type`). compare_occ=True is compare='occ'.
+    batches: sizes of the batch dims; a model whose batch cannot change runs its own batch.
+    options: the fields of Settings (data, shapes, seed, warmup, iterations, min_time, rounds,
+      cudnn_conv_algo_search, timing_cache, workspace_mb, max_error, tf32_factor, atol, rtol,
+      oracle_max_mb, model_type).
+    keep: a folder to keep the compared models and engines in (default: a temporary one).
+    """
+    if command is None:
+        command = f"graphmp.bench({os.fspath(model)!r}, backends={backends!r}, batches={batches!r}, ...)"
+    compare = _csv(compare or [], "comparison (--compare)", COMPARE)
+    if compare_occ and "occ" not in compare:
+        compare.append("occ")
+    s = Settings.from_kwargs(backends, precisions, compare, batches, **options)
+    path = os.fspath(model)
+    graph = load_model(path)
+    if converted is not None:
+        load_model(os.fspath(converted))
+    base_feeds = None
+    if s.data is not None:
+        ((_, base_feeds),) = user_batches(os.fspath(s.data), input_specs(graph), "--data")
+    with tempfile.TemporaryDirectory(prefix="graphmp-bench-") as tmp:
+        work = tmp if keep is None else os.fspath(keep)
+        os.makedirs(work, exist_ok=True)
+        run = _Run(s, path, graph, work, kept=keep is not None, progress=progress)
+        run.prepare_models(converted)
+        run.prepare_inputs(base_feeds)
+        run.run_rows()
+        return BenchResult(clean(run.result(command)))
+
+
+class _Run:
+    """The state of one run, filled step by step by bench()."""
+
+    def __init__(self, s: Settings, path, graph, work, kept, progress):
+        self.s, self.path, self.graph, self.work, self.kept, self.progress = s, path, graph, work, kept, progress
+        self.notes, self.models, self.model_errors, self.model_info = [], {}, {}, {}
+        self.rows, self.outputs, self.refs, self.emulated = [], {}, {}, {}
+        self.conversion = None
+
+    def log(self, msg):
+        if self.progress:
+            print(f"bench: {msg}", file=sys.stderr)
+
+    # --- models
+    def prepare_models(self, converted):
+        path, s = self.path, self.s
+        stem = os.path.splitext(os.path.basename(path))[0]
+        out = lambda suffix: os.path.join(self.work, f"{stem}.{suffix}.onnx")  # noqa: E731
+        self.already = "graphmp" in {p.key for p in self.graph.metadata_props}
+        self.source = None if self.already else path
+        if self.already:
+            self.models["fp16"] = path
+            self.notes.append(f"{path} is already converted by graphmp: no FP32 source, so only the fp16 rows run "
+                              "and accuracy and speedups are not available. Bench the FP32 model (with --converted) "
+                              "for those.")
+            return
+        self.log(f"FP32 baseline of {path}: graphmp's graph cleanups, no precision change")
+        info = fp32_baseline(path, out("fp32"))
+        self.models["fp32"] = self.models["tf32"] = info["path"]
+        self.model_info["fp32"] = info
+        if converted is not None:
+            self.models["fp16"] = os.fspath(converted)
+        else:
+            self.log(f"converting {path} with graphmp.convert")
+            d = convert(path, out("mp"), calibration=[s.data] if s.data is not None else None).to_dict()
+            self.conversion = {k: d.get(k) for k in ("seconds", "nodes", "casts_added", "weight_bytes_before",
+                                                     "weight_bytes_after", "warnings")}
+            self.models["fp16"] = out("mp")
+        makers = {"occ": lambda: {"path": convert_occ(path, out("occ"))},
+                  "ort-opt": lambda: convert_ort_opt(path, out("ortopt"), s.model_type)}
+        for p in (p for p in COMPARE if p in s.precisions):
+            self.log(f"{p}: converting {path} with {SOURCES[p]}")
+            try:
+                self.model_info[p] = makers[p]()
+                self.models[p] = self.model_info[p]["path"]
+            except Exception as e:  # noqa: BLE001 - a converter missing or failing: its rows say so
+                self.model_errors[p] = f"{SOURCES[p]}: {type(e).__name__}: {str(e)[:300]}"
+
+    # --- inputs and references
+    def prepare_inputs(self, base_feeds):
+        s, graph = self.s, self.graph
+        specs = self.specs = input_specs(graph)
+        if base_feeds is not None:
+            positions = batch_positions(specs)
+            own = {base_feeds[n].shape[a] for n, a in positions} or {1}
+            self.inputs_text = (f"{os.fspath(s.data)} (batch dims: "
+                                f"{', '.join(f'{n}[{a}]' for n, a in positions) or 'none'})")
+        else:
+            plan = find_shapes(graph, ort_runner(self.source or self.models["fp16"]), s.shapes, where=self.path)
+            # --shapes pins every dim it names, the batch too; --batch still sets the symbolic batch dims
+            positions, own = plan.batch_dims or batch_positions(specs), {1}
+            self.inputs_text = f"generated: {plan.describe()} (shapes {plan.how}; batch dims from --batch: " \
+                               f"{', '.join(f'{n}[{a}]' for n, a in positions) or 'none'})"
+        if not positions:
+            asked, s.batches = s.batches, sorted(own)[:1]
+            if asked != s.batches:
+                self.notes.append(f"the batch cannot change in this model (fixed batch dims, or a state input pins "
+                                  f"it): batch {s.batches[0]} ran instead of {','.join(map(str, asked))}")
+        self.positions = positions
+
+        def feeds_for(batch):
+            if base_feeds is not None:
+                return rebatch({sp.name: base_feeds[sp.name] for sp in specs}, positions, batch)
+            shapes = {n: list(v) for n, v in plan.shapes.items()}
+            for name, axis in positions:
+                shapes[name][axis] = batch
+            return generate(specs, {n: tuple(v) for n, v in shapes.items()}, s.seed, plan.hints)
+        self.feeds = {b: feeds_for(b) for b in s.batches}
+
+    def reference(self, batch):
+        if batch not in self.refs:
+            self.refs[batch] = run_ort(self.source, self.feeds[batch])
+        return self.refs[batch]
+
+    def emulated_tf32(self, batch) -> dict:
+        """{output: error} of TF32 emulated on ORT CPU at `batch` (the yardstick where no tf32 row ran)."""
+        if batch not in self.emulated:
+            if not hasattr(self, "_tf32_run"):
+                base = os.path.dirname(os.path.abspath(self.source))
+                self._tf32_run = ort_runner(tf32_model(onnx.load(self.source)), base_dir=base, optimize=False)
+            self.emulated[batch] = J.errors_of(self.reference(batch), self._tf32_run(self.feeds[batch]))
+        return self.emulated[batch]
+
+    # --- rows
+    def backend_status(self) -> dict:
+        status = {}
+        for b in self.s.backends:
+            reason = ort_cuda_status() if b == "ort-cuda" else trt_status() if b == "trt" else None
+            status[b] = {"status": "skipped" if reason else "ok", "reason": reason}
+        if not gpu_names() and not any(status[b]["status"] == "ok" for b in ("trt", "ort-cuda") if b in status):
+            self.notes.append("no NVIDIA GPU was found: only CPU numbers are below; they say nothing about Tensor "
+                              "Core speed")
+        return status
+
+    def run_rows(self):
+        s = self.s
+        self.status = self.backend_status()
+        static, why = static_shapes(self.graph)
+        if not static and "ort-cuda" in s.backends:
+            self.notes.append(f"ORT CUDA: no cuda-graph rows: {why}")
+        planned = plan_rows([b for b in s.backends if self.status[b]["status"] == "ok"],
+                            [p for p in s.precisions if p in self.models or p in self.model_errors],
+                            s.batches, static=static and self.source is not None)
+        self.fell_back, self.fell_back_provider = {}, {}
+        with Progress(total=len(planned), desc="bench", enabled=self.progress) as bar:
+            for backend, batch, specs in groups(planned):
+                live = []
+                try:
+                    for spec in specs:
+                        row = _new_row(spec)
+                        self.rows.append(row)
+                        bar.update(0, row=f"{backend} {spec.precision} {spec.variant} batch {batch}")
+                        runner = self._open(row, spec)
+                        if runner is None:
+                            bar.update(1)
+                        else:
+                            live.append((row, runner))
+                    times = time_interleaved([(id(r), rn) for r, rn in live], s.rounds, s.iterations, s.min_time)
+                    for row, runner in live:
+                        self._finish(row, runner, times[id(row)])
+                        bar.update(1, row=f"{backend} {row['precision']} {row['variant']} batch {batch}")
+                finally:
+                    for _, runner in live:
+                        runner.close()
+                    gc.collect()
+        for b, why in self.fell_back.items():
+            self.status[b] = {"status": "fell-back", "reason": why}
+        self._judge()
+        add_speedups(self.rows)
+        self.fastest = fastest_variants(self.rows)
+
+    def _open(self, row, spec):
+        """The warmed-up runner of one row, or None (the row is marked failed, with why)."""
+        s, b, p = self.s, spec.backend, spec.precision
+        if p in self.model_errors:
+            row.update(status="failed", error=self.model_errors[p])
+            return None
+        if b in self.fell_back:
+            row.update(status="failed", error=self.fell_back[b], provider=self.fell_back_provider[b])
+            return None
+        feeds, src = self.feeds[spec.batch], self.models[p]
+        gpu = b != "ort-cpu"
+        mem0, how = device_memory_used() if gpu else (None, "")
+        t0 = time.perf_counter()
+        try:
+            if b == "trt":
+                engine = None if not self.kept else os.path.join(
+                    self.work, f"{os.path.splitext(os.path.basename(src))[0]}.{p}.b{spec.batch}.plan")
+                runner = TrtRunner(src, feeds, tf32=p != "fp32", workspace_mb=s.workspace_mb, engine_path=engine,
+                                   timing_cache=s.timing_cache or os.path.join(self.work, "timing.cache"))
+                row["build_s"], row["engine_bytes"] = runner.build_s, runner.engine_bytes
+            else:
+                out_shapes = ({k: v.shape for k, v in self.reference(spec.batch).items()}
+                              if spec.variant == "cuda-graph" else None)
+                runner = OrtRunner(src, feeds, "cuda" if b == "ort-cuda" else "cpu",
+                                   ort_cuda_options(p, spec.variant, s.cudnn_conv_algo_search) if gpu else None,
+                                   output_shapes=out_shapes)
+                row["build_s"] = time.perf_counter() - t0
+            row["provider"] = runner.provider
+            row["settings"] = dict(runner.settings, timing=TIMING, model_file=os.path.basename(src))
+            timed_loop(lambda: runner.run() or 0.0, s.warmup, 0, 0.0)
+        except FellBack as e:
+            self.fell_back[b], self.fell_back_provider[b] = str(e), e.provider
+            row.update(status="failed", error=str(e), provider=e.provider)
+            return None
+        except Exception as e:  # noqa: BLE001 - any backend error fails this row only; the run goes on
+            row.update(status="failed", error=f"{type(e).__name__}: {str(e)[:300]}")
+            if "runner" in locals():
+                runner.close()
+            return None
+        if gpu and mem0 is not None:
+            mem1, _ = device_memory_used()
+            row["peak_device_memory_bytes"] = max(0, mem1 - mem0)
+            row["memory_note"] = f"{how}: in use after warm-up minus before the session/engine was created"
+        elif gpu:
+            row["memory_note"] = how
+        return runner
+
+    def _finish(self, row, runner, times):
+        if isinstance(times, Exception):
+            row.update(status="failed", error=f"{type(times).__name__}: {str(times)[:300]}")
+            return
+        row["latency_ms"] = latency_stats(times)
+        row["iterations"] = len(times)
+        row["throughput_per_s"] = row["batch"] / (row["latency_ms"]["median"] / 1e3)
+        try:
+            outs = runner.outputs()
+        except Exception as e:  # noqa: BLE001
+            row.update(status="failed", error=f"{type(e).__name__}: {str(e)[:300]}")
+            return
+        row["output_shapes"] = {k: list(v.shape) for k, v in outs.items()}
+        if self.source is not None:
+            self.outputs[id(row)] = outs
+
+    def _judge(self):
+        """Accuracy of every finished row, against the TF32 yardstick of its backend, batch and
+        variant: the tf32 row's own error where it finished, else TF32 emulated on ORT CPU."""
+        s, self.yardsticks = self.s, []
+        if self.source is None:
+            return
+        measured = {}
+        for row in self.rows:
+            if row["precision"] == "tf32" and id(row) in self.outputs:
+                measured[(row["backend"], row["batch"], row["variant"])] = J.errors_of(
+                    self.reference(row["batch"]), self.outputs[id(row)])
+        seen = set()
+        for row in self.rows:
+            outs = self.outputs.pop(id(row), None)
+            if outs is None:
+                continue
+            key = (row["backend"], row["batch"], row["variant"])
+            if key in measured:
+                yard, src = measured[key], f"tf32 row ({row['backend']}, {row['variant']})"
+            else:
+                yard, src = self.emulated_tf32(row["batch"]), J.EMULATED
+            if (row["batch"], src) not in seen:
+                seen.add((row["batch"], src))
+                self.yardsticks.append({"batch": row["batch"], "source": src, "errors": yard})
+            row["accuracy"] = J.judge_outputs(self.reference(row["batch"]), outs, yard, s.max_error, s.tf32_factor,
+                                      s.atol, s.rtol)
+            row["accuracy"]["yardstick"] = src
+
+    # --- oracle, notes, result
+    def oracle(self) -> list:
+        """FP16-faithful check (graphmp.check) of each FP16 model on one sample of the smallest batch."""
+        s, out = self.s, []
+        one = rebatch(self.feeds[s.batches[0]], self.positions, 1)
+        size_mb = model_weight_bytes(self.graph) / 1e6
+        for p in (p for p in ("fp16", "occ") if p in s.precisions):
+            entry = {"precision": p, "batch": 1 if self.positions else s.batches[0], "status": "ok", "reason": None,
+                     "oracle": None, "passed": None, "max_abs": None, "max_rel": None, "argmax_agree": None,
+                     "nonfinite": None}
+            mixed = self.models.get(p)
+            if self.source is None:
+                entry.update(status="skipped", reason="no FP32 source to compare with")
+            elif mixed is None:
+                entry.update(status="skipped", reason=self.model_errors.get(p) or "no converted model")
+            elif s.oracle_max_mb <= 0:
+                entry.update(status="skipped", reason="off (oracle_max_mb 0)")
+            elif size_mb > s.oracle_max_mb:
+                entry.update(status="skipped", reason=f"FP32 weights {size_mb:.0f} MB > {s.oracle_max_mb:g} MB: the "
+                             "reference evaluator is too slow for this model; run graphmp check on a GPU machine")
+            else:
+                try:
+                    rep = check(self.source, mixed, data=one, max_error=s.max_error, atol=s.atol,
+                                rtol=s.rtol).to_dict()
+                    acc = {k: v for k, v in rep["outputs"].items() if "[ORT CUDA]" not in k}
+                    if not acc:
+                        raise GraphmpError("the check compared no output (does the model load? see its row)")
+                    agrees = [v["argmax_agree"] for v in acc.values() if v["argmax_agree"] is not None]
+                    entry.update(oracle=rep["oracle"], passed=all(v["passed"] for v in acc.values()),
+                                 max_abs=max(v["max_abs"] for v in acc.values()),
+                                 max_rel=max(v["max_rel"] for v in acc.values()),
+                                 argmax_agree=min(agrees) if agrees else None,
+                                 nonfinite=sum(v["nonfinite"] for v in acc.values()))
+                except Exception as e:  # noqa: BLE001
+                    entry.update(status="failed", reason=f"{type(e).__name__}: {str(e)[:200]}")
+            out.append(entry)
+        return out
+
+    def result(self, command) -> dict:
+        s = self.s
+        notes = self.notes + _notes(s, self.status)
+        if "ort-opt" in self.model_info:
+            i = self.model_info["ort-opt"]
+            notes.append(f"ort-opt: model_type {i['model_type']} ({'guessed from the graph' if i['guessed'] else 'given'}"
+                         f"); {i['how']}; fused: {i['fused'] or 'nothing'}")
+        settings = s.to_dict()
+        settings.update(data=os.fspath(s.data) if s.data is not None else None, inputs=self.inputs_text,
+                        compare=[p for p in COMPARE if p in s.precisions],
+                        compare_occ="occ" in s.precisions)
+        return {
+            "schema_version": SCHEMA_VERSION, "environment": environment(command), "settings": settings,
+            "timing": TIMING,
+            "model": {"path": self.path, "fp32_baseline": _kept(self.model_info.get("fp32"), self.kept),
+                      "converted_path": self.models.get("fp16") if self.kept or self.conversion is None else None,
+                      "conversion": self.conversion,
+                      "compared": {p: self.model_info.get(p) or {"error": self.model_errors.get(p)}
+                                   for p in COMPARE if p in s.precisions},
+                      "kept_in": self.work if self.kept else None, "fp32_available": self.source is not None,
+                      "weight_bytes": model_weight_bytes(self.graph),
+                      "inputs": [{"name": sp.name, "dtype": sp.dtype.name if sp.elem else None, "shape": sp.dims}
+                                 for sp in self.specs],
+                      "fixed_batch": None if self.positions else s.batches[0]},
+            "backends": self.status, "rows": self.rows, "fastest": self.fastest,
+            "accuracy": {"reference": J.REFERENCE, "rule": settings["rule"], "max_error": s.max_error,
+                         "tf32_factor": s.tf32_factor, "yardsticks": getattr(self, "yardsticks", [])},
+            "oracle": self.oracle(), "notes": notes,
+        }
+
+
+def add_speedups(rows: list) -> None:
+    """speedup_vs_fp32 / speedup_vs_tf32 of every finished row: the fp32 / tf32 row of the same
+    backend, batch and variant (same session options) over this row, by median latency."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    for r in ok:
+        for base, key in (("fp32", "speedup_vs_fp32"), ("tf32", "speedup_vs_tf32")):
+            ref = next((x for x in ok if (x["backend"], x["batch"], x["variant"], x["precision"])
+                        == (r["backend"], r["batch"], r["variant"], base)), None)
+            if ref:
+                r[key] = ref["latency_ms"]["median"] / r["latency_ms"]["median"]
+
+
+def fastest_variants(rows: list) -> list:
+    """Per backend, batch and precision timed in more than one variant: the fastest variant."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    out = []
+    keys = sorted({(r["backend"], r["batch"], r["precision"]) for r in ok},
+                  key=lambda k: (k[0], k[1], PRECISIONS.index(k[2])))
+    for b, batch, p in keys:
+        by = {r["variant"]: r["latency_ms"]["median"] for r in ok
+              if (r["backend"], r["batch"], r["precision"]) == (b, batch, p)}
+        if len(by) > 1:
+            best = min(by, key=by.get)
+            out.append({"backend": b, "batch": batch, "precision": p, "variant": best, "median_ms": by[best],
+                        "by_variant": by})
+    return out
+
+
+def _kept(info, kept):
+    """`info` with its path dropped when the work folder is temporary (gone after the run)."""
+    return info if info is None or kept else dict(info, path=None)
+
+
+def _new_row(spec) -> dict:
+    b, p = spec.backend, spec.precision
+    return {"backend": b, "precision": p, "variant": spec.variant, "label": LABELS[p], "model": SOURCES[p],
+            "batch": spec.batch, "provider": None, "tf32": None if b == "ort-cpu" else p != "fp32",
+            "status": "ok", "error": None, "settings": {}, "latency_ms": None, "iterations": 0,
+            "throughput_per_s": None, "speedup_vs_fp32": None, "speedup_vs_tf32": None,
+            "peak_device_memory_bytes": None,
+            "memory_note": "host memory: not measured per row" if b == "ort-cpu" else "",
+            "engine_bytes": None, "build_s": None, "output_shapes": None, "accuracy": None}
+
+
+def _notes(s: Settings, status: dict) -> list:
+    notes = []
+    gpu = [b for b in ("trt", "ort-cuda") if b in s.backends and status[b]["status"] == "ok"]
+    if gpu:
+        notes.append("GPU rows: fp32 = TF32 off (strict FP32); tf32 = TF32 on (the default of TensorRT and ORT "
+                     "CUDA); fp16/occ/ort-opt = TF32 on, which only affects their FP32 islands")
+    if "ort-cuda" in gpu:
+        notes.append(f"ORT CUDA: cudnn_conv_algo_search={s.cudnn_conv_algo_search}; TF32 via use_tf32; variants: "
+                     "default, nhwc (prefer_nhwc=1), cuda-graph (enable_cuda_graph=1, static shapes only); speedups "
+                     "compare rows of the same variant")
+    if "trt" in gpu:
+        notes.append("TensorRT: strongly typed (the graph's types and Casts set the precision), one engine per "
+                     "precision and batch (profile min = opt = max); build_s uses a timing cache shared by the run")
+    if "ort-cpu" in s.backends:
+        notes.append("ORT CPU: no TF32 on the CPU (its yardstick is TF32 emulated on ORT CPU); ORT CPU computes "
+                     "almost every FP16 op in FP32 (it inserts casts), so the mixed rows are not faster there and "
+                     "their accuracy hides FP16 rounding and overflow: see the FP16-faithful oracle line")
+    return notes
