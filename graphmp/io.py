@@ -178,7 +178,7 @@ def materialize(t: TensorProto, src_dir: str | None, convert_fn) -> None:
         t.ClearField(f)
     del t.external_data[:]
     t.data_location = TensorProto.DEFAULT
-    t.raw_data = raw
+    t.raw_data = bytes(raw)
 
 
 def _tmp_prefix(out_path: str) -> str:
@@ -352,7 +352,7 @@ def _save_inline(model, out_path, src_dir, convert_fn, progress):
                     raise RuntimeError(f"{t.name}: converted to type {elem}, announced {meta.data_type}")
                 yield raw
             else:
-                yield arr.tobytes()
+                yield memoryview(np.ascontiguousarray(arr)).cast("B")
         return meta, nbytes, chunks
 
     size = model.ByteSize() + sum(target_nbytes(t) for t in tensors if is_external(t))

@@ -47,8 +47,9 @@ def _low_block(x: np.ndarray, low: int) -> tuple[np.ndarray, np.ndarray]:
     return y, (y.astype(np.uint32) << 16).view(np.float32)
 
 
-def convert_noting(arr: np.ndarray, low: int) -> tuple[bytes, dict | None]:
-    """(raw bytes in the low type, what rounding changed or None when nothing did).
+def convert_noting(arr: np.ndarray, low: int) -> tuple[memoryview, dict | None]:
+    """(raw bytes in the low type (a byte view, no copy), what rounding changed or None
+    when nothing did).
 
     Blockwise (round to nearest even), so the cost is one pass over the tensor and a few
     block-sized temporaries, not a dozen full-size ones. The facts: elements changed,
@@ -56,7 +57,7 @@ def convert_noting(arr: np.ndarray, low: int) -> tuple[bytes, dict | None]:
     to zero, finite values that overflowed to inf."""
     if low == TensorProto.FLOAT16:  # ONNX Runtime's Cast: 10x numpy's speed, same rounding
         out, facts = to_fp16_noting(arr)
-        return out.tobytes(), ({"elements": int(out.size), **facts} if facts["changed"] else None)
+        return memoryview(out).cast("B"), ({"elements": int(out.size), **facts} if facts["changed"] else None)
     a = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
     out = np.empty(a.size, dtype=np.uint16)
     changed = flushed = overflowed = 0
@@ -79,8 +80,8 @@ def convert_noting(arr: np.ndarray, low: int) -> tuple[bytes, dict | None]:
         max_rel = max(max_rel, float(np.fmax.reduce(d / np.maximum(ax, 1e-30))))
         flushed += int(np.count_nonzero((back == 0) & (ax > 0)))
     if not changed:
-        return out.tobytes(), None
-    return out.tobytes(), {"elements": int(a.size), "changed": changed, "max_abs_change": max_abs,
+        return memoryview(out).cast("B"), None
+    return memoryview(out).cast("B"), {"elements": int(a.size), "changed": changed, "max_abs_change": max_abs,
                            "max_rel_change": max_rel, "flushed_to_zero": flushed, "overflowed": overflowed}
 
 
@@ -181,7 +182,7 @@ class Rewriter:
         for f in ("float_data", "raw_data", "double_data"):
             dst.ClearField(f)
         dst.data_type = self.low
-        dst.raw_data = raw
+        dst.raw_data = bytes(raw)
         return dst.name
 
 
