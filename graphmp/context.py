@@ -33,6 +33,8 @@ class Options:
     atol: float | None = None           # --validate: an element-wise criterion on top of the budget
     rtol: float | None = None
     verbose: bool = False
+    fuse: str | None = None             # --fuse ort: ONNX Runtime's transformer fusions first (passes/fuse.py)
+    model_type: str | None = None       # --model-type: the fusions' model type (None: found from the graph)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "Options":
@@ -62,6 +64,9 @@ class Options:
                     re.compile(rx)
                 except re.error as e:
                     raise GraphmpError(f"{flag} '{rx}' is not a valid regular expression ({e})") from None
+        if o.fuse is not None or o.model_type is not None:
+            from .passes.fuse import check_options
+            check_options(o.fuse, o.model_type)
         if o.shapes is not None:
             from .inputs import parse_shapes
             o.shapes = parse_shapes(o.shapes)

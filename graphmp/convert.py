@@ -17,7 +17,7 @@ from .errors import GraphmpError
 from .io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model,
                  save_model, tensor_nbytes)
 from .wire import is_self_reference
-from .passes import PassResult, apply, calibrate, classify, paint, prepare, search, types
+from .passes import PassResult, apply, calibrate, classify, fuse, paint, prepare, search, types
 from .passes.apply import LowConverter, to_low
 
 MARK_KEY = "graphmp"
@@ -34,6 +34,7 @@ def sort(ctx) -> PassResult:
 
 # (report key, pass). A pass's details go into the report under its key (None: top level).
 PIPELINE = [
+    ("fuse", fuse.run),                              # --fuse ort: ONNX Runtime's transformer fusions
     ("prepare", prepare.run),                        # opset >= 7, constants, names, sorted; the IR
     ("types", types.run),                            # element type of every tensor
     ("prepare", prepare.run_drop_redundant_casts),   # no-op and round-trip Casts of the source
@@ -91,6 +92,10 @@ class ConvertReport:
             f"  weights: {d['weight_bytes_before'] / 1e6:.2f} MB -> {d['weight_bytes_after'] / 1e6:.2f} MB",
             f"  calibration: {_calibration_line(d['calibration'])}",
         ]
+        if d.get("fuse"):
+            f = d["fuse"]
+            lines.append(f"  fused ({f['model_type']}, ONNX Runtime only): " + ", ".join(
+                f"{v} {k}" for k, v in f["fused"].items()) if f["fused"] else f"  fuse: {f['note']}")
         if d.get("search", {}).get("budget"):
             lines.append(_search_line(d["search"]))
         if d["fp32_by_reason"]:
@@ -162,14 +167,18 @@ def _deferred_bytes(model) -> int:
                if t.doc_string.startswith(CONVERT_MARK))
 
 
-def _check_op_names(ops, model, where):
-    """--fp32-ops must name ops of this model or of ONNX (a typo would silently do nothing)."""
+def _check_op_names(ops, model, where, fused=False):
+    """--fp32-ops must name ops of this model or of ONNX, or with --fuse the fused ops
+    (a typo would silently do nothing)."""
     if not ops:
         return
     import difflib
 
     from onnx import defs
+
+    from .ops import MS_OP_CLASS
     known = {n.op_type for g in iter_graphs(model.graph) for n in g.node} | {s.name for s in defs.get_all_schemas()}
+    known |= set(MS_OP_CLASS) if fused else set()
     for op in ops:
         if op not in known:
             close = difflib.get_close_matches(op, sorted(known), n=1)
@@ -185,13 +194,14 @@ def convert(src, dst=None, **options) -> ConvertReport:
     `graphmp convert --help`): target, keep_io_types, fp32_ops, fp32_nodes, fp16_nodes,
     calibration (None: generated inputs; "off"; .npz path(s) or dicts of arrays),
     shapes (NAME:DIMS,... for generated inputs), range_threshold, external_data,
-    pad_channels, validate, atol, rtol, verbose.
+    pad_channels, validate, atol, rtol, verbose, fuse ("ort": ONNX Runtime's transformer
+    fusions first; the output is then for ONNX Runtime only), model_type.
     """
     t0 = time.perf_counter()
     opts = Options.from_kwargs(options)
     model, path, base_dir = open_model(src, dst, by_reference=True)
     t_load = time.perf_counter() - t0
-    _check_op_names(opts.fp32_ops, model, path)
+    _check_op_names(opts.fp32_ops, model, path, fused=opts.fuse is not None)
     had_external = any(is_external(t) and not is_self_reference(t, path)
                        for g in iter_graphs(model.graph) for t in g.initializer)
     ctx = Ctx(model=model, options=opts, path=path, base_dir=base_dir)

@@ -66,8 +66,27 @@ TYPE_STR = {v: f"tensor({k.lower()})" for k, v in TensorProto.DataType.items() i
 STR_TYPE = {s: v for v, s in TYPE_STR.items()}
 
 
+# ONNX Runtime's fused contrib ops (graphmp convert --fuse ort). Their CUDA kernels read
+# and write T and keep statistics/softmax in FP32 inside, as graphmp.fused_ops does for
+# the oracle. Attention is Tensor Core work; the Gelus follow their neighbours. The
+# fused normalisations keep graphmp's LayerNormalization policy, FP32: they carry the
+# residual stream, and in FP16 (ORT's float16 plan) every layer re-rounds it, which
+# costs tiny BERT 2-3x the error of graphmp's plan (benchmarks/fuse.py); --fp16-nodes
+# on their names lowers them for speed. Inputs typed M/T1 (int32 masks, ids) and
+# outputs typed U (tensor(float) mean/inv_std_var) keep their types (the schema's).
+MS_DOMAIN = "com.microsoft"
+MS_OP_CLASS = {
+    "Attention": "fp16", "MultiHeadAttention": "fp16",
+    "SkipLayerNormalization": "fp32", "SkipSimplifiedLayerNormalization": "fp32", "EmbedLayerNormalization": "fp32",
+    "BiasGelu": "follow", "FastGelu": "follow", "Gelu": "follow", "QuickGelu": "follow",
+}  # each has a reference in graphmp.fused_ops (the oracle); ops without an ORT CPU kernel (BiasAdd,
+#    GemmFastGelu, ...) have none and stay FP32
+
+
 def op_class(op_type: str, domain: str) -> str:
     """Class of an op: 'fp16', 'fp32', 'follow', 'clear', 'fixed' or 'unknown'."""
+    if domain == MS_DOMAIN:
+        return MS_OP_CLASS.get(op_type, "unknown")
     if domain not in ("", "ai.onnx"):
         return "unknown"
     for cls, table in (("fp16", FP16_OPS), ("fp32", FP32_OPS), ("follow", FOLLOW_OPS),
@@ -79,11 +98,55 @@ def op_class(op_type: str, domain: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def get_schema(op_type: str, domain: str, version: int):
-    """The schema in force at `version`, or None for custom/unknown ops."""
+    """The schema in force at `version`, or None for custom/unknown ops (com.microsoft
+    ops of MS_OP_CLASS: ONNX Runtime's own schema, see _ms_schema)."""
+    if domain == MS_DOMAIN:
+        return _ms_schema(op_type) if op_type in MS_OP_CLASS else None
     try:
         return defs.get_schema(op_type, version, "" if domain == "ai.onnx" else domain)
     except Exception:  # onnx raises SchemaError (a RuntimeError subclass) for unknown ops
         return None
+
+
+class _Formal:
+    def __init__(self, p):
+        self.type_str = p.typeStr
+        self.option = defs.OpSchema.FormalParameterOption.__members__[p.option.name]
+
+
+class _TypeConstraint:
+    def __init__(self, c):
+        self.type_param_str, self.allowed_type_strs = c.type_param_str, tuple(c.allowed_type_strs)
+
+
+class _MsSchema:
+    """ONNX Runtime's schema of a contrib op, with the attributes of onnx's OpSchema that
+    graphmp reads (inputs/outputs .type_str/.option, type_constraints, since_version)."""
+
+    def __init__(self, s):
+        self.name, self.domain, self.since_version = s.name, s.domain, s.since_version
+        self.inputs = [_Formal(p) for p in s.inputs]
+        self.outputs = [_Formal(p) for p in s.outputs]
+        self.type_constraints = [_TypeConstraint(c) for c in s.type_constraints]
+
+
+@functools.lru_cache(maxsize=None)
+def _ms_schemas() -> dict:
+    """{op_type: newest com.microsoft schema} of MS_OP_CLASS's ops in this onnxruntime.
+    (onnx.defs does not know contrib ops; onnxruntime is a dependency anyway.)"""
+    try:
+        from onnxruntime.capi import _pybind_state as C
+        found = [s for s in C.get_all_operator_schema() if s.domain == MS_DOMAIN and s.name in MS_OP_CLASS]
+    except (ImportError, AttributeError):  # a minimal onnxruntime build without schemas
+        return {}
+    out = {}
+    for s in sorted(found, key=lambda s: s.since_version):
+        out[s.name] = _MsSchema(s)
+    return out
+
+
+def _ms_schema(op_type: str):
+    return _ms_schemas().get(op_type)
 
 
 @functools.lru_cache(maxsize=None)

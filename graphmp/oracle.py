@@ -6,7 +6,8 @@ uses onnx.reference.ReferenceEvaluator, which computes each op in the dtype the 
 declares (as a GPU does), with two overrides where it departs from the spec:
 BatchNormalization always runs in inference mode (the reference runs opset 9-13 BN in
 training mode when the legacy `momentum` attribute is present), and Loop (both in
-graphmp.reference_ops).
+graphmp.reference_ops); ONNX Runtime's fused com.microsoft ops of `--fuse ort` models
+run with graphmp.fused_ops.
 `runner(model)` wraps one ONNX Runtime session as a function of the feeds.
 """
 from __future__ import annotations
@@ -20,8 +21,9 @@ import onnx
 def oracle_ops() -> list:
     """The reference op overrides (graphmp.reference_ops; imported on first use, since
     onnx.reference takes a tenth of a second to import and most commands never need it)."""
+    from .fused_ops import FUSED_OPS  # ONNX Runtime's fused com.microsoft ops (--fuse ort)
     from .reference_ops import ORACLE_OPS
-    return ORACLE_OPS
+    return ORACLE_OPS + FUSED_OPS
 
 
 def ort_session(model, providers=None, base_dir=None, optimize=True):

@@ -55,7 +55,7 @@ def _raised(schema, n, ins, outs, var_types) -> NodeInfo | None:
 
 def _schema_info(ctx, g, n, cls, raise_to_fp32=False) -> NodeInfo:
     low = ctx.low
-    if cls == "fixed" or n.domain not in ("", "ai.onnx"):
+    if cls == "fixed" or n.domain not in ("", "ai.onnx", ops.MS_DOMAIN):  # contrib ops: ORT's schemas (ops.py)
         return NodeInfo(cls=cls)
     schema = ops.get_schema(n.op_type, n.domain, ctx.opsets.get("", 1))
     types_in = [ctx.type_of(g, x) if x else 0 for x in n.inputs]
