@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The GPU check, one command on a GPU machine (README "GPU check"):
+#
+#   benchmarks/gpu_check.sh [--out DIR] [--models resnet50,bert-base,detector,gpt2] [...]
+#   benchmarks/gpu_check.sh --dry-run          # the same steps on the CPU, tiny models (CI)
+#
+# 1. Installs the GPU extra from the wheels it is given, into $GRAPHMP_GPU_SITE
+#    (default /tmp/graphmp-gpu-site), PREPENDED to PYTHONPATH (nothing in site-packages changes):
+#    - onnxruntime-gpu in five parts .ortgpu1/ .. .ortgpu5/ in the repo root (or in
+#      $GRAPHMP_ORTGPU_DIR; made by
+#      ../shared/tools/ortgpu-parts.sh; .ortgpu5/NAME is the wheel's file name): joined, checked
+#      as a zip, installed;
+#    - every wheel in $GRAPHMP_WHEELS (default .whl/), e.g. tensorrt's, installed alike.
+#    The CUDA/cuDNN libraries of pip's nvidia-* packages (torch's) go on LD_LIBRARY_PATH for
+#    onnxruntime-gpu's CUDA provider.
+# 2. Runs benchmarks/gpu_check.py with the arguments given: models, convert, FP16 numerics on
+#    ORT CUDA, graphmp bench (ORT CUDA, TensorRT when it imports) at batch 1 and 32,
+#    benchmarks/train.py on CUDA, pytest -m gpu. Writes DIR/gpu_check.json + .png, prints a table.
+# Exit 0 all passed, 1 a check failed, 2 cannot run (no CUDA provider, bad wheel parts).
+# PYTHON picks the interpreter (default python3; with --dry-run, .venv/bin/python when present).
+set -euo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
+
+DRY=0
+for a in "$@"; do
+  if [[ $a == --dry-run ]]; then DRY=1; fi
+done
+PY=${PYTHON:-}
+if [[ -z $PY ]]; then
+  if [[ $DRY == 1 && -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+
+if [[ $DRY == 0 ]]; then
+  SITE=${GRAPHMP_GPU_SITE:-/tmp/graphmp-gpu-site}
+  WHEELDIR=$(mktemp -d)
+  PARTS=${GRAPHMP_ORTGPU_DIR:-$REPO}
+  wheels=()
+  if [[ -f $PARTS/.ortgpu5/NAME ]]; then
+    name=$(tr -d '[:space:]' < "$PARTS/.ortgpu5/NAME")
+    for i in 1 2 3 4 5; do
+      part=$PARTS/.ortgpu$i/part.$((i - 1))
+      if [[ ! -f $part ]]; then
+        echo "gpu_check: $part is missing: the onnxruntime-gpu wheel comes in five parts .ortgpu1..5 (ortgpu-parts.sh)" >&2
+        exit 2
+      fi
+      cat "$part" >> "$WHEELDIR/$name"
+    done
+    if ! "$PY" -c 'import sys, zipfile; sys.exit(zipfile.ZipFile(sys.argv[1]).testzip() is not None)' "$WHEELDIR/$name"; then
+      echo "gpu_check: the joined parts do not make a valid wheel ($name): send all five again" >&2
+      exit 2
+    fi
+    wheels+=("$WHEELDIR/$name")
+  fi
+  for w in "${GRAPHMP_WHEELS:-.whl}"/*.whl; do
+    if [[ -f $w ]]; then wheels+=("$w"); fi
+  done
+  if ((${#wheels[@]})); then
+    echo "gpu_check: installing ${wheels[*]##*/} into $SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
+  else
+    echo "gpu_check: no wheels given (.ortgpu1..5, ${GRAPHMP_WHEELS:-.whl}/*.whl): using the installed onnxruntime"
+  fi
+  rm -rf "$WHEELDIR"
+  export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+  libs=$("$PY" - <<'EOF'
+import glob, os, site, sys
+roots = [p for p in sys.path if p.endswith("-packages")] + site.getsitepackages()
+print(":".join(sorted({d for r in roots for d in glob.glob(os.path.join(r, "nvidia", "*", "lib"))})))
+EOF
+)
+  if [[ -n $libs ]]; then export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
+else
+  export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+exec "$PY" benchmarks/gpu_check.py "$@"
