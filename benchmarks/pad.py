@@ -5,6 +5,8 @@ Models (each skipped with a note when missing):
   lm_head     hidden [B, 128, 768] @ W [768, 50257]: GPT-2's odd-vocabulary head alone
   gpt2        models/build/gpt2.onnx (python models/export_hf.py gpt2), tied head 50257
   oddnet      a CNN with a 3-channel stem and odd widths (29, 45, 99, 201, 1001 classes)
+  bytecls     a byte classifier: int64 bytes -> OneHot(257) -> MatMul 257x100 -> Relu -> 100x45 -> 45x7
+              (K=257 is aligned only by raising OneHot's depth)
   resnet50    models/build/resnet50.onnx: already aligned, expect no change
   ppocr_cls   models/real/ppocr_mobile_v2_cls.onnx: a real mobile CNN with odd widths
 
@@ -13,7 +15,8 @@ Variants per model: FP32 and mixed FP16 (graphmp convert), each unpadded and pad
 same harness as `graphmp bench` (ONNX Runtime CUDA with I/O binding where a GPU is
 present, else ONNX Runtime CPU); every variant's outputs are compared with the
 unpadded one on the same inputs. The report also gives the padding's static cost:
-added FLOPs and weight bytes.
+added FLOPs and weight bytes, and the fraction of weight layers with every dim aligned
+before and after (as `graphmp pad` reports it).
 
 On the CPU, ONNX Runtime computes FP16 ops in FP32 (DESIGN.md), and Tensor Core
 alignment does not apply: the CPU numbers show the overhead of padding, not its gain.
@@ -80,14 +83,31 @@ def build_oddnet(path):
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), path)
 
 
+def build_bytecls(path):
+    inits = [numpy_helper.from_array(np.array(257, np.int64), "depth"),
+             numpy_helper.from_array(np.array([0, 1], np.float32), "onoff"),
+             _init("w1", (257, 100)), _init("b1", (100,)), _init("w2", (100, 45)), _init("w3", (45, 7))]
+    nodes = [helper.make_node("OneHot", ["bytes", "depth", "onoff"], ["oh"], name="onehot", axis=-1),
+             helper.make_node("MatMul", ["oh", "w1"], ["h"], name="mm1"),
+             helper.make_node("Add", ["h", "b1"], ["hb"], name="add1"),
+             helper.make_node("Relu", ["hb"], ["r"], name="relu1"),
+             helper.make_node("MatMul", ["r", "w2"], ["h2"], name="mm2"),
+             helper.make_node("Relu", ["h2"], ["r2"], name="relu2"),
+             helper.make_node("MatMul", ["r2", "w3"], ["logits"], name="mm3")]
+    g = helper.make_graph(nodes, "bytecls", [helper.make_tensor_value_info("bytes", TensorProto.INT64, ["B", "L"])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "L", 7])], inits)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), path)
+
+
 MODELS = {
     "lm_head": build_lm_head,
     "gpt2": os.path.join(REPO, "models", "build", "gpt2.onnx"),
     "oddnet": build_oddnet,
+    "bytecls": build_bytecls,
     "resnet50": os.path.join(REPO, "models", "build", "resnet50.onnx"),
     "ppocr_cls": os.path.join(REPO, "models", "real", "ppocr_mobile_v2_cls.onnx"),
 }
-DIMS = {"gpt2": 128, "ppocr_cls": 64}      # size of the symbolic dims other than batch (sequence, H/W)
+DIMS = {"gpt2": 128, "ppocr_cls": 64, "bytecls": 512}      # size of the symbolic dims other than batch (sequence, H/W)
 
 
 def variants(name, src, work, multiple):
@@ -105,11 +125,20 @@ def time_variants(paths, backends, batches, dim, args):
     precisions = "fp32,fp16" if backends == "ort-cpu" else "tf32,fp16"
     out = {}
     for variant, (fp32, mixed) in paths.items():
-        res = bench(fp32, converted=mixed, backends=backends, precisions=precisions, batches=batches, dim=dim,
+        res = bench(fp32, converted=mixed, backends=backends, precisions=precisions, batches=batches,
+                    shapes=shapes_for(fp32, dim),
                     warmup=args.warmup, iterations=args.iterations, min_time=args.min_time, oracle_max_mb=0,
                     command=result_command(), progress=False).to_dict()
         out[variant] = res
     return out
+
+
+def shapes_for(path, dim):
+    """--shapes text: symbolic dims = `dim`, except axis 0 = 1 (bench's batches set it)."""
+    from graphmp.inputs import input_specs
+    specs = input_specs(onnx.load(path, load_external_data=False))
+    return ",".join(f"{s.name}:" + "x".join(str(d if isinstance(d, int) else (1 if i == 0 else dim))
+                                            for i, d in enumerate(s.dims)) for s in specs)
 
 
 def result_command():
@@ -132,17 +161,17 @@ def ratios(entry):
 
 
 def print_table(result):
-    print("\n| model | backend | precision | batch | unpadded ms | padded ms | speedup | +FLOPs | +weights |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | backend | precision | batch | unpadded ms | padded ms | speedup | +FLOPs | +weights | aligned |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, e in result["models"].items():
         if "skipped" in e:
-            print(f"| {name} | skipped: {e['skipped']} |||||||| ")
+            print(f"| {name} | skipped: {e['skipped']} ||||||||| ")
             continue
         st = e["static"]
         for r in e["ratios"]:
             print(f"| {name} | {r['backend']} | {r['precision']} | {r['batch']} | {r['unpadded_ms']:.3f} | "
                   f"{r['padded_ms']:.3f} | {r['speedup']:.3f}x | {st['flops_added_pct']:.2f}% | "
-                  f"{st['weight_bytes_added_pct']:.2f}% |")
+                  f"{st['weight_bytes_added_pct']:.2f}% | {st['aligned_before']:.2f} -> {st['aligned_after']:.2f} |")
 
 
 def static_cost(rep):
@@ -152,6 +181,7 @@ def static_cost(rep):
             "flops_added_pct": 100 * added / rep["flops_model_before"] if rep["flops_model_before"] else 0.0,
             "weight_bytes_added_pct": 100 * rep["weight_bytes_added"] / rep["weight_bytes_before"]
             if rep["weight_bytes_before"] else 0.0,
+            "aligned_before": rep["aligned_before"]["fraction"], "aligned_after": rep["aligned_after"]["fraction"],
             "layers": [f"{p['node']} {p['dim']} {p['old']}->{p['new']}" for p in rep["padded"]]}
 
 
@@ -187,7 +217,8 @@ def main(argv=None):
             paths, rep = variants(name, src, work, args.multiple)
             entry = {"static": static_cost(rep), "timing": {}}
             print(f"\n{name}: {entry['static']['padded_dims']} dims padded, +{entry['static']['flops_added_pct']:.2f}% "
-                  f"FLOPs, +{entry['static']['weight_bytes_added_pct']:.2f}% weight bytes")
+                  f"FLOPs, +{entry['static']['weight_bytes_added_pct']:.2f}% weight bytes, weight layers aligned "
+                  f"{entry['static']['aligned_before']:.2f} -> {entry['static']['aligned_after']:.2f}")
             entry["timing"] = time_variants(paths, backend, batches, DIMS.get(name, 16), args)
             entry["ratios"] = ratios(entry)
             result["models"][name] = entry

@@ -56,9 +56,73 @@ def summarize(d: dict) -> str:
                  + (f" ({100 * d['weight_bytes_added'] / d['weight_bytes_before']:.2f}%)" if d.get("weight_bytes_before") else ""))
     for u in d["unaligned"]:
         lines.append(f"    unaligned {u['node']} ({u['op_type']}) {u['dim']}={u['value']}: {u['reason']}")
+    if "aligned_after" in d:
+        a, b = d["aligned_before"], d["aligned_after"]
+        lines.append(f"  weight layers with every dim a multiple of {d['multiple']}: {a['aligned']}/{a['weight_layers']} "
+                     f"({a['fraction']:.2f}) -> {b['aligned']}/{b['weight_layers']} ({b['fraction']:.2f})")
+    if d.get("needs_copy"):
+        lines.append(f"  {len(d['needs_copy'])} layer(s) left unaligned because padding them would need a runtime "
+                     "Pad node (a copy per run): " + ", ".join(u["node"] for u in d["needs_copy"]))
     for w in d.get("warnings", []):
         lines.append(f"  warning: {w}")
     return "\n".join(lines)
+
+
+def _const_shapes(graph) -> dict:
+    """Shapes of the constants a weight layer can read: initializers, Constant nodes and
+    Transpose/Reshape/Concat/Cast/Identity/DequantizeLinear of those."""
+    from onnx import helper, numpy_helper
+    shapes = {t.name: list(t.dims) for t in graph.initializer}
+    values = {}
+    for n in graph.node:
+        a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+        ins = [shapes.get(x) for x in n.input]
+        if n.op_type == "Constant" and "value" in a:
+            shapes[n.output[0]] = list(a["value"].dims)
+            values[n.output[0]] = numpy_helper.to_array(a["value"])
+        elif not n.input or any(s is None for s in ins[:1]):
+            continue
+        elif n.op_type in ("Cast", "Identity", "DequantizeLinear"):
+            shapes[n.output[0]] = ins[0]
+        elif n.op_type == "Transpose":
+            perm = a.get("perm", list(range(len(ins[0])))[::-1])
+            shapes[n.output[0]] = [ins[0][p] for p in perm]
+        elif n.op_type == "Concat" and all(s is not None for s in ins):
+            ax = a["axis"] % len(ins[0])
+            shapes[n.output[0]] = [sum(s[ax] for s in ins) if i == ax else d for i, d in enumerate(ins[0])]
+        elif n.op_type == "Reshape" and len(n.input) > 1:
+            t = next((t for t in graph.initializer if t.name == n.input[1]), None)
+            shape = numpy_helper.to_array(t) if t is not None and not is_external(t) else values.get(n.input[1])
+            if shape is not None and 0 not in shape.tolist() and shape.tolist().count(-1) == 0:
+                shapes[n.output[0]] = [int(d) for d in shape]
+    return shapes
+
+
+def alignment(model: onnx.ModelProto, multiple: int) -> dict:
+    """How many weight layers of the main graph have every Tensor Core dim a multiple of
+    `multiple`: Conv (output channels; input channels per group unless depthwise; 4 input
+    channels count, as the stem rule pads to 4 for cuDNN's C=4 first-layer kernels), ConvTranspose (both), Gemm and
+    MatMul with a constant 2-D B (K and N). Read from the weights' shapes."""
+    shapes = _const_shapes(model.graph)
+    layers, unaligned = 0, []
+    for n in model.graph.node:
+        if n.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul") or len(n.input) < 2:
+            continue
+        w = shapes.get(n.input[1])
+        if not w or (n.op_type in ("Gemm", "MatMul") and len(w) != 2):
+            continue
+        group = next((a.i for a in n.attribute if a.name == "group"), 1)
+        if n.op_type == "Conv":
+            dims = [w[0]] + ([] if w[1] == 1 and group > 1 else [w[1]] if w[1] != 4 else [])
+        elif n.op_type == "ConvTranspose":
+            dims = [w[0], w[1]]
+        else:
+            dims = list(w)
+        layers += 1
+        if any(d % multiple for d in dims):
+            unaligned.append(f"{n.name} ({n.op_type} {'x'.join(map(str, w))})")
+    return {"weight_layers": layers, "aligned": layers - len(unaligned),
+            "fraction": (layers - len(unaligned)) / layers if layers else 1.0, "unaligned": unaligned}
 
 
 def pad_model(model: onnx.ModelProto, base_dir: str | None, multiple: int, stem: str = "auto",
@@ -76,7 +140,10 @@ def pad_model(model: onnx.ModelProto, base_dir: str | None, multiple: int, stem:
     constants_to_initializers(model)
     name_nodes(model, Names(model))
     before = model_weight_bytes(model)
+    aligned_before = alignment(model, multiple)
     rep = pad_channels(model, base_dir, multiple, stem, max_overhead)
+    rep["aligned_before"], rep["aligned_after"] = aligned_before, alignment(model, multiple)
+    rep["needs_copy"] = [u for u in rep["unaligned"] if u.get("needs_copy")]
     rep["weight_bytes_before"] = before
     rep["weight_bytes_added"] = model_weight_bytes(model) - before
     rep["warnings"] = warnings

@@ -118,13 +118,15 @@ def assert_padded_ok(src, multiple=8, batches=(1, 3), hw=None, **kw):
             assert p["new"] % multiple == 0, p
         assert p["new"] > p["old"] and p["flops_after"] >= p["flops_before"]
         n = node_by_name(out, p["node"])
+        if n.op_type not in ("Conv", "ConvTranspose", "Gemm", "MatMul"):
+            continue                                # producers padded for free: checked by their tests
         w = weight_dims(out, n.input[1])
         if n.op_type in ("Conv", "ConvTranspose"):
             axis = {"out_channels": 0 if n.op_type == "Conv" else 1,
                     "in_channels": 1 if n.op_type == "Conv" else 0}.get(p["dim"].split(" ")[0], 0)
             assert w[axis] == (p["new"] if "depthwise" in p["dim"] or p["dim"] == "out_channels" or n.op_type == "ConvTranspose"
                                else p["new"] // next((a.i for a in n.attribute if a.name == "group"), 1)), (p, w)
-        else:
+        elif n.op_type in ("Gemm", "MatMul"):
             assert p["new"] in w, (p, w)
     return d, out
 
@@ -362,3 +364,229 @@ def test_conv_whose_bias_is_computed_is_left_whole():
     m = g.model(g.conv(g.node("Relu", [y]), 13, 16))
     d, out = assert_padded_ok(m)
     assert not d["padded"] and d["unaligned"][0]["reason"] == "bias is not an initializer"
+
+
+# ---- producers padded for free: OneHot, embedding Gather, Concat with a constant ---------------
+
+def _mm_model(nodes, inputs, output, inits, opset=17):
+    m = helper.make_model(helper.make_graph(nodes, "t", inputs, [output], inits),
+                          opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def _f32(name, arr):
+    return numpy_helper.from_array(np.asarray(arr, dtype=np.float32), name)
+
+
+def byte_classifier(hidden=(100, 45), classes=7, depth_type=np.int64, index_type=TensorProto.INT64):
+    """bytes [B, L] (uint8 ones read through a Cast to int64) -> OneHot(257) -> MatMul(257 x H1) + b -> Relu -> MatMul(H1 x H2) -> Relu -> MatMul(H2 x C)."""
+    h1, h2 = hidden
+    inits = [numpy_helper.from_array(np.array(257, depth_type), "depth"), _f32("onoff", [0.0, 1.0]),
+             _f32("w1", RNG.normal(0, 0.1, (257, h1))), _f32("b1", RNG.normal(0, 1, h1)),
+             _f32("w2", RNG.normal(0, 0.1, (h1, h2))), _f32("w3", RNG.normal(0, 0.1, (h2, classes)))]
+    cast = [helper.make_node("Cast", ["bytes"], ["idx"], name="cast", to=TensorProto.INT64)]
+    nodes = ([] if index_type == TensorProto.INT64 else cast) + [
+             helper.make_node("OneHot", ["bytes" if index_type == TensorProto.INT64 else "idx", "depth", "onoff"], ["oh"],
+                              name="onehot", axis=-1),
+             helper.make_node("MatMul", ["oh", "w1"], ["h"], name="mm1"),
+             helper.make_node("Add", ["h", "b1"], ["hb"], name="add1"),
+             helper.make_node("Relu", ["hb"], ["r"], name="relu1"),
+             helper.make_node("MatMul", ["r", "w2"], ["h2"], name="mm2"),
+             helper.make_node("Relu", ["h2"], ["r2"], name="relu2"),
+             helper.make_node("MatMul", ["r2", "w3"], ["logits"], name="mm3")]
+    return _mm_model(nodes, [helper.make_tensor_value_info("bytes", index_type, ["B", "L"])],
+                     helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "L", classes]), inits)
+
+
+def embedding_classifier(vocab=300, emb=45, hidden=99, classes=6):
+    """ids [B, L] -> Gather(table [V, 45]) + b -> Tanh -> MatMul(45 x 99) -> Relu -> MatMul(99 x 6)."""
+    inits = [_f32("table", RNG.normal(0, 1, (vocab, emb))), _f32("eb", RNG.normal(0, 1, emb)),
+             _f32("w1", RNG.normal(0, 0.2, (emb, hidden))), _f32("w2", RNG.normal(0, 0.2, (hidden, classes)))]
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"], name="embed", axis=0),
+             helper.make_node("Add", ["e", "eb"], ["eb2"], name="add"),
+             helper.make_node("Tanh", ["eb2"], ["t"], name="tanh"),
+             helper.make_node("MatMul", ["t", "w1"], ["h"], name="mm1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["logits"], name="mm2")]
+    return _mm_model(nodes, [helper.make_tensor_value_info("ids", TensorProto.INT64, ["B", "L"])],
+                     helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "L", classes]), inits)
+
+
+def assert_same_outputs(ref, out, feeds):
+    a, b = run_ort(ref, feeds), run_ort(out, feeds)
+    for k, v in a.items():
+        assert b[k].shape == v.shape
+        assert np.max(np.abs(b[k].astype(np.float64) - v)) <= 1e-5 * max(1.0, float(np.max(np.abs(v)))), k
+
+
+def test_byte_classifier_onehot_depth_is_padded():
+    m = byte_classifier()
+    rep = pad(m, None, multiple=8)
+    d, out = rep.to_dict(), rep.model
+    onnx.checker.check_model(out, full_check=True)
+    assert d["aligned_before"]["fraction"] < 0.5 and d["aligned_after"]["fraction"] >= 0.95
+    assert {("onehot", "depth", 257, 264), ("mm1", "K", 257, 264)} <= {(p["node"], p["dim"], p["old"], p["new"])
+                                                                        for p in d["padded"]}
+    assert d["slice_nodes"] == 1 and not d["needs_copy"]        # only the 7 -> 8 logits, at the graph output
+    oh = node_by_name(out, "onehot")
+    assert numpy_helper.to_array(weight(out, oh.input[1])).shape == () and int(numpy_helper.to_array(weight(out, oh.input[1]))) == 264
+    w1 = numpy_helper.to_array(weight(out, node_by_name(out, "mm1").input[1]))
+    assert w1.shape[0] == 264 and not w1[257:].any()          # the new columns meet zero rows
+    # bytes, negative indices (counted from the end of depth) and out-of-range ones alike
+    for seed, (lo, hi) in enumerate([(0, 256), (-257, 0), (-400, 400)]):
+        feeds = {"bytes": np.random.default_rng(seed).integers(lo, hi, (3, 17)).astype(np.int64)}
+        assert_same_outputs(m, out, feeds)
+    assert "weight layers with every dim a multiple of 8: 0/3 (0.00) -> 3/3 (1.00)" in rep.summary()
+
+
+def test_onehot_negative_index_shift_is_needed():
+    """Without the index shift, -1 would select the last *padded* column: the check above would fail."""
+    m = byte_classifier()
+    out = pad(m, None, multiple=8).model
+    for n in list(out.graph.node):
+        if n.op_type == "OneHot":
+            n.input[0] = "bytes"
+    feeds = {"bytes": np.full((1, 4), -1, np.int64)}
+    a, b = run_ort(m, feeds)["logits"], run_ort(out, feeds)["logits"]
+    assert np.max(np.abs(a - b)) > 1e-3
+
+
+def test_onehot_unsigned_indices_need_no_shift():
+    m = byte_classifier(index_type=TensorProto.UINT8, depth_type=np.int32)
+    d, out = assert_padded_ok(m, batches=(2,), hw=9)
+    assert d["aligned_after"]["fraction"] >= 0.95
+    assert not any(n.op_type in ("Where", "Less") for n in out.graph.node)
+
+
+def test_embedding_table_columns_are_padded():
+    m = embedding_classifier()
+    rep = pad(m, None, multiple=8)
+    d, out = rep.to_dict(), rep.model
+    onnx.checker.check_model(out, full_check=True)
+    assert d["aligned_before"]["fraction"] == 0.0 and d["aligned_after"]["fraction"] >= 0.95
+    assert {("embed", "embedding columns", 45, 48), ("mm1", "K", 45, 48)} <= {(p["node"], p["dim"], p["old"], p["new"])
+                                                                              for p in d["padded"]}
+    table = numpy_helper.to_array(weight(out, node_by_name(out, "embed").input[0]))
+    assert table.shape == (300, 48) and not table[:, 45:].any()
+    assert sum(1 for t in out.graph.initializer if list(t.dims)[:1] == [300]) == 1     # replaced, not copied
+    assert d["slice_nodes"] == 1                                # the 6 -> 8 logits, at the graph output
+    for seed in range(2):
+        assert_same_outputs(m, out, {"ids": np.random.default_rng(seed).integers(-300, 300, (2, 13)).astype(np.int64)})
+
+
+def test_embedding_table_read_elsewhere_is_left_with_a_reason():
+    m = embedding_classifier()
+    m.graph.node.append(helper.make_node("ReduceSum", ["table"], ["tsum"], name="tsum", keepdims=0))
+    m.graph.output.append(helper.make_tensor_value_info("tsum", TensorProto.FLOAT, []))
+    d, out = assert_padded_ok(m, batches=(2,), hw=5)
+    assert any(u["node"] == "embed" and "also read by tsum" in u["reason"] for u in d["unaligned"])
+
+
+def test_concat_with_a_constant_takes_the_padding():
+    """x [2, 13] ++ constant [2, 2] = 15 features -> the constant gets one zero column: K 15 -> 16."""
+    inits = [_f32("c", RNG.normal(0, 1, (2, 2))), _f32("w", RNG.normal(0, 0.3, (15, 16)))]
+    nodes = [helper.make_node("Concat", ["x", "c"], ["cat"], name="cat", axis=1),
+             helper.make_node("MatMul", ["cat", "w"], ["y"], name="mm")]
+    m = _mm_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 13])],
+                  helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16]), inits)
+    d, out = assert_padded_ok(m, batches=(2,))
+    assert ("mm", "K", 15, 16) in {(p["node"], p["dim"], p["old"], p["new"]) for p in d["padded"]}
+    assert d["aligned_after"]["fraction"] == 1.0 and d["slice_nodes"] == 0
+
+
+def test_matmul_weight_built_by_concat_of_constants_is_padded():
+    inits = [_f32("wa", RNG.normal(0, 0.3, (16, 10))), _f32("wb", RNG.normal(0, 0.3, (16, 11)))]
+    nodes = [helper.make_node("Concat", ["wa", "wb"], ["w"], name="wcat", axis=1),
+             helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")]
+    m = _mm_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 16])],
+                  helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 21]), inits)
+    d, out = assert_padded_ok(m, batches=(1, 3))
+    assert ("mm", "N", 21, 24) in {(p["node"], p["dim"], p["old"], p["new"]) for p in d["padded"]}
+    assert not any(n.op_type == "Concat" for n in out.graph.node)      # folded into one padded weight
+    assert {t.name for t in out.graph.initializer}.isdisjoint({"wa", "wb"})
+
+
+def test_k_that_would_need_a_runtime_copy_is_reported(capsys):
+    """Softmax output (and a raw graph input) feeding an odd K: no free producer, so it is left and named."""
+    inits = [_f32("w1", RNG.normal(0, 0.3, (13, 13))), _f32("w2", RNG.normal(0, 0.3, (13, 16)))]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Softmax", ["h"], ["p"], name="sm", axis=-1),
+             helper.make_node("MatMul", ["p", "w2"], ["y"], name="mm2")]
+    m = _mm_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 13])],
+                  helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 16]), inits)
+    rep = pad(m, None, multiple=8)
+    d = rep.to_dict()
+    left = {u["node"]: u for u in d["needs_copy"]}
+    assert set(left) == {"mm1", "mm2"} and "Softmax 'sm'" in left["mm2"]["reason"]
+    assert "runtime Pad node" in left["mm1"]["reason"] and d["aligned_after"]["fraction"] == 0.0
+    assert "2 layer(s) left unaligned because padding them would need a runtime Pad node" in rep.summary()
+
+
+def test_k_behind_a_layer_left_unpadded_needs_no_copy():
+    """K=2 comes (through a Relu) from a MatMul whose N=2 was too costly to pad: named, not a runtime copy."""
+    inits = [_f32("w1", RNG.normal(0, 0.3, (16, 2))), _f32("w2", RNG.normal(0, 0.3, (2, 16)))]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2")]
+    m = _mm_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 16])],
+                  helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 16]), inits)
+    d = pad(m, None, multiple=8).to_dict()
+    k = next(u for u in d["unaligned"] if u["node"] == "mm2")
+    assert not k["needs_copy"] and "MatMul 'mm1' (through Relu 'relu')" in k["reason"] and not d["needs_copy"]
+
+
+def test_onehot_on_the_channel_axis_feeds_a_conv():
+    """A class map [N, H, W] -> OneHot(13, axis=1) -> Conv 13 -> 16: input channels padded at the OneHot."""
+    inits = [numpy_helper.from_array(np.array([13], np.int64), "depth"), _f32("onoff", [-0.5, 2.0]),
+             _f32("w", RNG.normal(0, 0.3, (16, 13, 3, 3))), _f32("b", RNG.normal(0, 1, 16))]
+    nodes = [helper.make_node("OneHot", ["cls", "depth", "onoff"], ["oh"], name="onehot", axis=1),
+             helper.make_node("Conv", ["oh", "w", "b"], ["y"], name="conv", kernel_shape=[3, 3], pads=[1] * 4)]
+    m = _mm_model(nodes, [helper.make_tensor_value_info("cls", TensorProto.INT64, ["N", 6, 6])],
+                  helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 16, 6, 6]), inits)
+    rep = pad(m, None, multiple=8)
+    d, out = rep.to_dict(), rep.model
+    onnx.checker.check_model(out, full_check=True)
+    assert ("conv", "in_channels", 13, 16) in {(p["node"], p["dim"], p["old"], p["new"]) for p in d["padded"]}
+    assert d["aligned_after"]["fraction"] == 1.0 and d["slice_nodes"] == 0
+    assert numpy_helper.to_array(weight(out, node_by_name(out, "onehot").input[1])).tolist() == [16]
+    for seed in range(2):     # off_value -0.5 fills the new channels too: only zero weights keep them out
+        assert_same_outputs(m, out, {"cls": np.random.default_rng(seed).integers(-20, 20, (2, 6, 6)).astype(np.int64)})
+
+
+def window_classifier(flatten: str):
+    """bytes [B, 4] -> OneHot(257) [B, 4, 257] -> Flatten / Reshape [B, 1028] -> MatMul(1028 x 24)."""
+    inits = [numpy_helper.from_array(np.array(257, np.int64), "depth"), _f32("onoff", [0.0, 1.0]),
+             _f32("w", RNG.normal(0, 0.1, (4 * 257, 24))), numpy_helper.from_array(np.array([0, -1], np.int64), "shape")]
+    flat = (helper.make_node("Flatten", ["oh"], ["f"], name="flat", axis=1) if flatten == "Flatten" else
+            helper.make_node("Reshape", ["oh", "shape"], ["f"], name="flat"))
+    nodes = [helper.make_node("OneHot", ["bytes", "depth", "onoff"], ["oh"], name="onehot"), flat,
+             helper.make_node("MatMul", ["f", "w"], ["y"], name="mm")]
+    return _mm_model(nodes, [helper.make_tensor_value_info("bytes", TensorProto.INT64, ["B", 4])],
+                     helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 24]), inits)
+
+
+def test_onehot_through_flatten_pads_a_window_of_bytes():
+    d, out = assert_padded_ok(window_classifier("Flatten"), batches=(1, 3))
+    assert ("mm", "K", 1028, 1056) in {(p["node"], p["dim"], p["old"], p["new"]) for p in d["padded"]}
+    assert d["aligned_after"]["fraction"] == 1.0 and d["slice_nodes"] == 0
+
+
+def test_onehot_not_padded_where_it_would_need_a_copy():
+    """OneHot read by a MatMul and by a reduction, or reshaped before the MatMul: padding it would
+    add a Slice back per run (or is not followed), so it is left and the K is reported as needing a copy."""
+    m = byte_classifier()
+    m.graph.node.append(helper.make_node("ReduceSum", ["oh"], ["count"], name="count", keepdims=0))
+    m.graph.output.append(helper.make_tensor_value_info("count", TensorProto.FLOAT, []))
+    for model, mm, source in ((m, "mm1", "OneHot 'onehot'"), (window_classifier("Reshape"), "mm", "Reshape 'flat'")):
+        d, out = assert_padded_ok(model, batches=(2,), hw=5)
+        assert not any(p["op_type"] == "OneHot" for p in d["padded"])
+        assert [u["node"] for u in d["needs_copy"]] == [mm] and source in d["needs_copy"][0]["reason"]
+        assert d["aligned_after"]["fraction"] < 0.95
+
+
+def test_byte_classifier_converted_to_mixed_precision_then_padded():
+    mp = graphmp.convert(byte_classifier(), None).model
+    d, out = assert_padded_ok(mp, batches=(2,), hw=9)
+    assert ("onehot", "depth", 257, 264) in {(p["node"], p["dim"], p["old"], p["new"]) for p in d["padded"]}
+    assert d["aligned_after"]["fraction"] >= 0.95

@@ -5,6 +5,9 @@ as before):
 - Producers whose channel/feature count is not a multiple get zero rows: Conv and
   ConvTranspose output channels (weights and bias), Gemm and MatMul N (weight columns
   and bias). Their output is then "padded": a tensor with extra channels on one axis.
+  So are producers that write their whole output anyway, where that reaches a weight
+  layer's K: OneHot depth, embedding-table columns, a Concat's constant input
+  (pad_producers.py, which also explains each K left unaligned).
   A padded tensor is described by a Layout: its new name, the axis, its size and where
   the real channels sit (they need not be a prefix after a Concat or a Flatten).
 - Padded channels flow through ops known to act per channel (elementwise, normalisation
@@ -35,6 +38,7 @@ from ..io import iter_graphs, tensor_array
 from ..ir import Names
 from ..ops import FLOAT_TYPES
 from ..opset import default_opset
+from .pad_producers import ProducerPads
 from .types import skeleton
 
 UNARY = {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Elu", "Selu", "Celu",
@@ -75,7 +79,7 @@ def _flops(shape_out, per_output) -> int:
     return 2 * int(np.prod([d or 1 for d in shape_out], dtype=np.int64)) * int(per_output)
 
 
-class Padder:
+class Padder(ProducerPads):
     def __init__(self, model: onnx.ModelProto, base_dir: str | None, multiple: int, stem: str = "auto",
                  max_overhead: float = 0.5):
         self.model, self.g, self.base_dir = model, model.graph, base_dir
@@ -90,6 +94,14 @@ class Padder:
         self.graph_inputs = declared - set(self.inits)
         self.layouts: dict[str, Layout] = {}
         self.producer: dict[str, onnx.NodeProto] = {o: n for n in self.g.node for o in n.output}
+        self.readers: dict[str, list] = {}
+        for g in iter_graphs(self.g):
+            for n in g.node:
+                for x in set(n.input):
+                    self.readers.setdefault(x, []).append(n)
+        self.output_names = {v.name for v in self.g.output}
+        self.float_types, self.pools = FLOAT_TYPES, POOLS
+        self.types: dict[str, int] = {}    # element types, where shape inference knows them
         self.shapes = self._shapes()
         self.flops_before = _model_flops(model, self.shapes)
         self.padded, self.unaligned, self.sliced, self.stems = [], [], [], []
@@ -109,11 +121,14 @@ class Padder:
         out = {}
         for v in list(inf.graph.value_info) + list(inf.graph.input) + list(inf.graph.output):
             tt = v.type.tensor_type
+            if tt.elem_type:
+                self.types[v.name] = tt.elem_type
             if tt.HasField("shape"):
                 out[v.name] = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
                                for d in tt.shape.dim]
         for t in self.g.initializer:
             out[t.name] = list(t.dims)
+            self.types[t.name] = t.data_type
         return out
 
     def rank(self, name):
@@ -152,12 +167,14 @@ class Padder:
             if not self.attr(p, "allowzero", 0):  # a bias reshaped to [1, C, 1, 1] (Paddle, TF exports)
                 shape = [a.shape[i] if d == 0 else d for i, d in enumerate(shape)]
             return a.reshape(shape)
+        if p is not None and p.op_type == "Concat" and all(x in self.inits for x in p.input):
+            return np.concatenate([self.array(x) for x in p.input], axis=self.attr(p, "axis"))
         return None
 
     # ---- rewriting helpers --------------------------------------------------------
     def new_init(self, base: str, arr: np.ndarray, old: str | None = None) -> str:
         name = self.names.fresh(base)
-        t = numpy_helper.from_array(np.ascontiguousarray(arr), name)
+        t = numpy_helper.from_array(np.ascontiguousarray(arr).reshape(np.shape(arr)), name)  # keeps scalars 0-d
         if old is not None and old in self.inits and self.inits[old].data_type == TensorProto.BFLOAT16:
             t.data_type = TensorProto.BFLOAT16
         self.g.initializer.append(t)
@@ -173,8 +190,9 @@ class Padder:
         if old not in self.inits:  # a Transpose/Reshape of a weight: folded into the copy
             self.bypassed.add(old)
             p = self.producer.get(old)
-            if p is not None and p.input and p.input[0] in self.inits:
-                self.replaced.add(p.input[0])  # dropped at the end if nothing else reads it
+            for x in (p.input if p is not None else []):
+                if x in self.inits and (p.op_type == "Concat" or x == p.input[0]):
+                    self.replaced.add(x)  # dropped at the end if nothing else reads it
         key = (old, axis, size, np.asarray(real).tobytes(), fill)
         if key not in self.copies:  # a weight shared by several layers is padded once
             self.copies[key] = self.new_init(f"{old}.pad{size}",
@@ -206,8 +224,9 @@ class Padder:
         self.padded.append({"node": n.name, "op_type": n.op_type, "dim": what, "old": int(old), "new": int(new),
                             "flops_before": int(flops_before), "flops_after": int(flops_after)})
 
-    def leave(self, n, what, value, reason):
-        self.unaligned.append({"node": n.name, "op_type": n.op_type, "dim": what, "value": value, "reason": reason})
+    def leave(self, n, what, value, reason, **extra):
+        self.unaligned.append({"node": n.name, "op_type": n.op_type, "dim": what, "value": value, "reason": reason,
+                               **extra})
 
     # ---- the walk -----------------------------------------------------------------
     def run(self):
@@ -330,9 +349,11 @@ class Padder:
                                 _flops(spatial, m * target * kernel))
                     cin = target
         elif cin % self.m:
-            why = "grouped conv" if g > 1 else "its input comes from an op whose output is not padded"
-            if not depthwise:
-                self.leave(n, "in_channels", cin, why)
+            if g > 1 and not depthwise:
+                self.leave(n, "in_channels", cin, "grouped conv")
+            elif not depthwise:
+                why, copy = self.k_source(x)
+                self.leave(n, "in_channels", cin, why.replace("K comes", "input channels come"), needs_copy=copy)
         if depthwise:
             return self.leave(n, "channels", m, "depthwise conv: follows its input's channels (input not "
                               "padded)") if m % self.m else None
@@ -386,7 +407,8 @@ class Padder:
             self.record(n, "in_channels", cin, lay.size, _flops(spatial, cin * mg * kernel), _flops(spatial, lay.size * mg * kernel))
             cin = lay.size
         elif cin % self.m:
-            self.leave(n, "in_channels", cin, "its input comes from an op whose output is not padded")
+            why, copy = self.k_source(n.input[0])
+            self.leave(n, "in_channels", cin, why.replace("K comes", "input channels come"), needs_copy=copy)
         self._pad_out_channels(n, 1, mg, r, spatial, cin * kernel)
 
     def _pad_out_channels(self, n, w_axis, m, r, spatial, per_channel):
@@ -416,7 +438,8 @@ class Padder:
             self.use(n, 0)
             self.record(n, "K", k, kp, 2 * rows * k * nn, 2 * rows * kp * nn)
         elif k % self.m:
-            self.leave(n, "K", k, "the activation feeding K is not padded (padding it would add a copy per run)")
+            why, copy = self.k_source(n.input[0])
+            self.leave(n, "K", k, why, needs_copy=copy)
         if nn % self.m == 0 or self.too_costly(n, "N", nn, round_up(nn, self.m)):
             return
         np_ = round_up(nn, self.m)
@@ -579,26 +602,26 @@ class Padder:
         self.pad_output(n, 0, lay.axis, lay.size, lay.real)
 
     def on_Concat(self, idx, n, ins):
-        if all(lay is None for lay in ins):
-            return
         r = self.rank(n.input[0])
         if r is None:
             return
         axis = self.attr(n, "axis") % r - r
-        if any(lay is not None and lay.axis == axis for lay in ins):
-            offset, real = 0, []
+        if all(lay is None or lay.axis == axis for lay in ins):
+            parts = []
             for x, lay in zip(n.input, ins):
-                if lay is not None and lay.axis == axis:
-                    real.append(offset + lay.real)
-                    offset += lay.size
-                elif lay is None and self.dim(x, axis):
-                    d = self.dim(x, axis)
-                    real.append(offset + np.arange(d))
-                    offset += d
+                if lay is not None:
+                    parts.append((lay.size, lay.real))
+                elif self.dim(x, axis):
+                    parts.append((self.dim(x, axis), np.arange(self.dim(x, axis))))
                 else:
                     return
-            if offset % self.m:  # the result would not be aligned: concatenate the originals
+            offset = sum(size for size, _ in parts)
+            if offset % self.m:  # not aligned: a constant input may take zeros, else concatenate the originals
+                self.pad_concat_constant(n, ins, axis, parts)
                 return
+            if all(lay is None for lay in ins):
+                return
+            real = [pos + sum(size for size, _ in parts[:i]) for i, (_, pos) in enumerate(parts)]
             for i, lay in enumerate(ins):
                 if lay is not None:
                     self.use(n, i)
