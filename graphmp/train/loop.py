@@ -37,9 +37,14 @@ from ..errors import GraphmpError
 from ..io import check_writable, load_npz, save_model, save_npz, write_json
 from ..oracle import ort_session
 from ..progress import Progress
+from .data import DataCheck, Dataset, in_order, label_rule, make_source
+from .device import check_session, providers_for
+from .plot import write_loss_png
 from .step import NEXT, SCALE, STEP
 
 CHECKPOINT = "checkpoint.json"
+LOSS_PNG = "loss.png"
+HISTORY_KEY = "__history__loss"  # per-step train loss of the whole run, kept in each checkpoint file
 
 
 # --- the run dir -------------------------------------------------------------------------
@@ -64,20 +69,27 @@ def load_run(run_dir) -> dict:
 
 
 def latest_state(run_dir) -> tuple[dict, dict | None]:
-    """(state arrays, checkpoint info or None): the last checkpoint, else the initial state."""
+    """(state arrays, checkpoint info or None): the last checkpoint, else the initial state.
+
+    The checkpoint info also holds "train_loss": the per-step train loss of the run up to it
+    (a list; empty for checkpoints written before it was kept)."""
     run_dir = os.fspath(run_dir)
     meta = load_run(run_dir)
     ck_path = os.path.join(run_dir, CHECKPOINT)
     if os.path.isfile(ck_path):
         with open(ck_path) as f:
             ck = json.load(f)
-        return load_npz(os.path.join(run_dir, ck["state_file"])), ck
+        state = load_npz(os.path.join(run_dir, ck["state_file"]))
+        hist = state.pop(HISTORY_KEY, None)
+        ck["train_loss"] = [] if hist is None else [float(x) for x in hist]
+        return state, ck
     return load_npz(os.path.join(run_dir, meta["initial_state"])), None
 
 
-def _save_checkpoint(run_dir, state: dict, info: dict):
+def _save_checkpoint(run_dir, state: dict, info: dict, train_loss=()):
+    """ckpt-<step>.npz (the state + the run's per-step loss) then checkpoint.json naming it."""
     name = f"ckpt-{info['step']:09d}.npz"
-    save_npz(os.path.join(run_dir, name), state)
+    save_npz(os.path.join(run_dir, name), dict(state, **{HISTORY_KEY: np.asarray(train_loss, np.float64)}))
     old = None
     ck_path = os.path.join(run_dir, CHECKPOINT)
     if os.path.isfile(ck_path):
@@ -89,108 +101,6 @@ def _save_checkpoint(run_dir, state: dict, info: dict):
             os.unlink(os.path.join(run_dir, old))
         except OSError:
             pass
-
-
-# --- data ------------------------------------------------------------------------------------
-
-def _expected(meta) -> dict:
-    """{name: (dims, dtype)} of the step inputs a batch must hold."""
-    exp = {n: (d, np.dtype(meta["input_types"][n])) for n, d in meta["inputs"].items()}
-    lab = meta["label"]
-    exp[lab["name"]] = (lab["shape"], np.dtype(lab["dtype"]))
-    return exp
-
-
-def _conform(arrays: dict, meta: dict, where: str, batched: bool) -> dict:
-    """Check names, per-sample shapes and dtypes against the step graph; cast losslessly."""
-    exp = _expected(meta)
-    missing = [n for n in exp if n not in arrays]
-    if missing:
-        extra = sorted(set(arrays) - set(exp))
-        what = " (the labels: class indices for cross-entropy, targets for mse)" \
-            if meta["label"]["name"] in missing else ""
-        raise GraphmpError(f"{where}: missing array(s) {missing}{what}. Expected one array per model input plus "
-                           f"the labels: {list(exp)}; found {sorted(arrays)}"
-                           + (f" (unused: {extra})" if extra else "") + ".")
-    out, n = {}, None
-    for name, (dims, dt) in exp.items():
-        a = np.asarray(arrays[name])
-        if dims is not None and a.ndim != len(dims):
-            raise GraphmpError(f"{where}: '{name}' has shape {a.shape}, the model wants {len(dims)} axes {dims} "
-                               f"(first axis = {'batch' if batched else 'samples'}).")
-        for i, d in enumerate(dims or []):
-            if i > 0 and isinstance(d, int) and a.shape[i] != d:
-                raise GraphmpError(f"{where}: '{name}' has shape {a.shape}; axis {i} must be {d} (model wants {dims}).")
-        if n is None:
-            n = a.shape[0] if a.ndim else None
-        elif a.ndim and a.shape[0] != n:
-            raise GraphmpError(f"{where}: arrays disagree on the number of samples (first axis): '{name}' has "
-                               f"{a.shape[0]}, others {n}.")
-        if a.dtype != dt:
-            if dt.kind == "i" and a.dtype.kind == "f" and not np.array_equal(a, np.round(a)):
-                raise GraphmpError(f"{where}: '{name}' must hold integer class indices, got non-integer floats.")
-            if dt.kind == "i" and a.dtype.kind not in "iuf" or dt.kind == "f" and a.dtype.kind not in "iuf":
-                raise GraphmpError(f"{where}: '{name}' has dtype {a.dtype}; the model wants {dt}.")
-            a = a.astype(dt)
-        out[name] = a
-    return out
-
-
-class _Dataset:
-    """Arrays with samples on the first axis, batched in a seeded order per epoch."""
-
-    def __init__(self, data, meta, where):
-        arrays = load_npz(os.fspath(data)) if isinstance(data, (str, os.PathLike)) else dict(data)
-        self.arrays = _conform(arrays, meta, where, batched=False)
-        self.n = next(iter(self.arrays.values())).shape[0]
-        self.where = where
-
-    def num_batches(self, batch_size, drop_last):
-        return self.n // batch_size if drop_last else -(-self.n // batch_size)
-
-    def batches(self, epoch, batch_size, seed, drop_last, start=0):
-        order = np.random.default_rng(seed + epoch).permutation(self.n)
-        for i in range(start, self.num_batches(batch_size, drop_last)):
-            idx = order[i * batch_size:(i + 1) * batch_size]
-            yield {k: v[idx] for k, v in self.arrays.items()}
-
-    def sequential(self, batch_size):
-        for i in range(0, self.n, batch_size):
-            yield {k: v[i:i + batch_size] for k, v in self.arrays.items()}
-
-
-class _Iterable:
-    """A re-iterable of batch dicts (the Python API)."""
-
-    def __init__(self, data, meta):
-        self.data, self.meta = data, meta
-        self.n = None
-        try:
-            self.nb = len(data)
-        except TypeError:
-            self.nb = None
-
-    def num_batches(self, batch_size, drop_last):
-        return self.nb
-
-    def batches(self, epoch, batch_size, seed, drop_last, start=0):
-        for i, b in enumerate(self.data):
-            if i >= start:
-                yield _conform(b, self.meta, f"batch {i} of epoch {epoch}", batched=True)
-
-
-def _source(data, meta, what="data"):
-    if isinstance(data, (str, os.PathLike, dict)):
-        return _Dataset(data, meta, os.fspath(data) if isinstance(data, (str, os.PathLike)) else what)
-    if hasattr(data, "__iter__"):
-        return _Iterable(data, meta)
-    raise GraphmpError(f"{what} must be an .npz path, a dict of arrays or an iterable of batch dicts, "
-                       f"not {type(data).__name__}")
-
-
-def _in_order(src, batch_size):
-    """Every sample once, in order (eval)."""
-    return src.sequential(batch_size) if isinstance(src, _Dataset) else src.batches(0, batch_size, 0, False)
 
 
 # --- running the step ---------------------------------------------------------------------------
@@ -213,6 +123,7 @@ class StepRunner:
             so.intra_op_num_threads = threads
         self.sess = ort.InferenceSession(os.path.join(run_dir, meta["step_model"]), so,
                                          providers=providers or ["CPUExecutionProvider"])
+        self.providers = self.sess.get_providers()  # what it got, not what was asked for
         self.bound = _uses_cuda(self.sess) if device_state is None else bool(device_state)
         self.device = "cuda" if _uses_cuda(self.sess) else "cpu"
         missing = [n for n in self.names if n not in state]
@@ -278,9 +189,14 @@ def infer_model(run_dir, meta, state: dict) -> onnx.ModelProto:
 
 
 class Evaluator:
-    """Inference-mode forward with given weights; loss (+ accuracy for cross-entropy) in numpy."""
+    """Inference-mode forward with given weights; loss (+ accuracy for cross-entropy) in numpy.
 
-    def __init__(self, run_dir, meta, state: dict, providers=None, sample_batch: dict | None = None):
+    Cross-entropy follows the run's config: classes on axis `class_axis` (default 1) of the
+    output, labels equal to `ignore_index` left out of loss and accuracy (as the step graph's
+    loss does). device: as for train(); .note says when CUDA was asked for but not got."""
+
+    def __init__(self, run_dir, meta, state: dict, providers=None, sample_batch: dict | None = None,
+                 device: str | None = None):
         self.meta = meta
         m = onnx.load(os.path.join(os.fspath(run_dir), meta["infer_model"]))
         out = meta["model_output"]
@@ -293,40 +209,51 @@ class Evaluator:
             cal.update({k: v for k, v in (sample_batch or {}).items() if k in meta["inputs"]})
             m = convert(m, calibration=[cal] if sample_batch else "off", keep_io_types=True).model
         self.sess = ort_session(m, providers)
+        self.note = check_session(self.sess, providers, device, "eval")
 
     def run(self, state: dict, source, batch_size: int) -> dict:
         lab = self.meta["label"]["name"]
+        cfg = self.meta["config"]
+        axis, ignore = int(cfg.get("class_axis", 1)), cfg.get("ignore_index")
         weights = {n: np.asarray(state[n], dtype=np.float32) for n in self.trained}
-        losses, correct, n = 0.0, 0, 0
-        for b in _in_order(source, batch_size):
+        total, correct, counted, n = 0.0, 0.0, 0, 0  # sums over the labelled elements
+        for b in in_order(source, batch_size):
             feeds = {k: v for k, v in b.items() if k in self.meta["inputs"]}
             feeds.update(weights)
             y = self.sess.run([self.meta["model_output"]], feeds)[0].astype(np.float64)
             t = b[lab]
-            k = y.shape[0]
-            if self.meta["config"]["loss"] == "cross-entropy":
-                z = np.moveaxis(y, 1, -1)
+            n += y.shape[0]
+            if cfg["loss"] == "cross-entropy":
+                t = t.astype(np.int64)
+                keep = np.ones(t.shape, bool) if ignore is None else t != ignore
+                z = np.moveaxis(y, axis, -1)
                 z = z - z.max(-1, keepdims=True)
                 logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
-                losses += -np.take_along_axis(logp, t[..., None].astype(np.int64), -1).mean() * k
-                correct += float((z.argmax(-1) == t).mean()) * k
+                nll = -np.take_along_axis(logp, np.where(keep, t, 0)[..., None], -1)[..., 0]
+                total += float(nll[keep].sum())
+                correct += float((z.argmax(-1) == t)[keep].sum())
+                counted += int(keep.sum())
             else:
-                losses += float(((y - t) ** 2).mean()) * k
-            n += k
+                total += float(((y - t) ** 2).sum())
+                counted += int(y.size)
         if not n:
             raise GraphmpError("eval data holds no samples")
-        res = {"loss": float(losses / n), "samples": int(n)}
-        if self.meta["config"]["loss"] == "cross-entropy":
-            res["accuracy"] = float(correct / n)
+        if not counted:
+            raise GraphmpError(f"eval data: every label is the ignore index {ignore}; nothing to evaluate")
+        res = {"loss": total / counted, "samples": int(n)}
+        if cfg["loss"] == "cross-entropy":
+            res["accuracy"] = correct / counted
         return res
 
 
-def evaluate(run_dir, data, batch_size: int = 256, providers=None, state: dict | None = None) -> dict:
-    """Eval loss (and accuracy) of the run's latest weights (or `state`) on `data`."""
+def evaluate(run_dir, data, batch_size: int = 256, providers=None, state: dict | None = None,
+             skip_bad_samples: bool = False) -> dict:
+    """Eval loss (and accuracy) of the run's latest weights (or `state`) on `data` (checked as
+    train() checks it: labels in range, NaN/inf an error unless skip_bad_samples)."""
     meta = load_run(run_dir)
     state = state if state is not None else latest_state(run_dir)[0]
-    src = _source(data, meta, "eval data")
-    first = next(iter(_in_order(src, batch_size)))
+    src = make_source(data, meta, "eval data", DataCheck(label_rule(run_dir, meta), skip_bad_samples))
+    first = next(iter(in_order(src, batch_size)))
     return Evaluator(run_dir, meta, state, providers, first).run(state, src, batch_size)
 
 
@@ -341,27 +268,42 @@ class TrainResult:
 
 def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, checkpoint_every: int = 100,
           resume: bool = True, providers=None, progress: bool = True, seed: int = 0, drop_last: bool = True,
-          max_steps: int | None = None, device_state: bool | None = None, threads: int | None = None) -> TrainResult:
+          max_steps: int | None = None, device_state: bool | None = None, threads: int | None = None,
+          skip_bad_samples: bool = False, device: str | None = None) -> TrainResult:
     """Train the run in run_dir on `data` for `epochs` epochs (see the module docstring).
 
     resume: continue from run_dir/checkpoint.json when present (with the same batch_size,
     seed and drop_last). max_steps: stop after this many steps in total (counting resumed ones).
-    Returns the summary (also written to run_dir/summary.json), this call's per-step history
-    and the final state."""
+    Data (train and eval) is checked before use: cross-entropy labels must be class indices
+    (or the ignore index), float arrays finite; skip_bad_samples drops samples holding NaN/inf
+    instead of failing. device: "cuda" | "auto" | "cpu" picks the providers (instead of
+    `providers`) and checks every session got them: "cuda" fails when not, "auto" says so in
+    the progress output and summary["device_note"].
+    Returns the summary (also written to run_dir/summary.json, with eval per epoch), this
+    call's per-step history (+ "eval": one dict per epoch) and the final state; writes the
+    whole run's loss curve to run_dir/loss.png."""
     run_dir = os.fspath(run_dir)
     meta = load_run(run_dir)
     if batch_size < 1 or epochs < 0:
         raise GraphmpError(f"batch_size must be >= 1 and epochs >= 0 (got {batch_size}, {epochs})")
-    src = _source(data, meta)
+    notes = []
+    if device is not None:
+        providers, note = providers_for(device)
+        notes += [note] if note else []
+    rule = label_rule(run_dir, meta)
+    src = make_source(data, meta, check=DataCheck(rule, skip_bad_samples))
     where = getattr(src, "where", "data")
     fixed = [d[0] for d in meta["inputs"].values() if d and isinstance(d[0], int)]
-    if fixed and isinstance(src, _Dataset) and fixed[0] != batch_size:
+    if fixed and isinstance(src, Dataset) and fixed[0] != batch_size:
         raise GraphmpError(f"{run_dir}: the model's batch axis is fixed at {fixed[0]}; use batch_size {fixed[0]} "
                            "or re-export the model with a dynamic batch axis.")
     nb = src.num_batches(batch_size, drop_last)
-    if isinstance(src, _Dataset) and nb == 0:
+    if isinstance(src, Dataset) and nb == 0:
         raise GraphmpError(f"{where}: {src.n} samples, fewer than one batch of {batch_size}; lower batch_size.")
 
+    eval_src = None
+    if eval_data is not None:  # checked now, before any step
+        eval_src = make_source(eval_data, meta, "eval data", DataCheck(rule, skip_bad_samples))
     state, ck = latest_state(run_dir) if resume else (load_npz(os.path.join(run_dir, meta["initial_state"])), None)
     setup = {"batch_size": batch_size, "seed": seed, "drop_last": drop_last, "samples": getattr(src, "n", None)}
     pos = {"step": 0, "epoch": 0, "position": 0, "skipped": 0}
@@ -371,13 +313,13 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
                 raise GraphmpError(f"{run_dir}: the checkpoint was made with {k}={ck['setup'].get(k)}, this run has "
                                    f"{k}={v}; pass the same value, or resume=False (--no-resume) to start over.")
         pos = {k: ck[k] for k in pos}
+    run_loss = list(ck.get("train_loss", [])) if ck else []  # the whole run's, for loss.png
+    run_eval = list(ck.get("eval_history", [])) if ck else []
 
     runner = StepRunner(run_dir, meta, state, providers, device_state, threads)
+    notes += [n for n in [check_session(runner.sess, providers, device, "training")] if n]
     evaluator = None
-    eval_src = None
-    if eval_data is not None:
-        eval_src = _source(eval_data, meta, "eval data")
-    history = {"loss": [], "scale": [], "applied": []}
+    history = {"loss": [], "scale": [], "applied": [], "eval": []}
     times = []
     ev_result = None
     total = None if nb is None else nb * epochs
@@ -385,18 +327,23 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
         total = min(total, max_steps)
 
     def checkpoint():
-        _save_checkpoint(run_dir, runner.state_numpy(), dict(pos, setup=setup))
+        _save_checkpoint(run_dir, runner.state_numpy(), dict(pos, setup=setup, eval_history=run_eval), run_loss)
 
     done = pos["step"]
     stop = False
     with Progress(total=total, desc="train", enabled=progress) as bar:
         bar.n = done if total else 0
+        for line in notes + _dropped_lines(src, eval_src):
+            _say(bar, line)
         for epoch in range(pos["epoch"], epochs):
             start = pos["position"] if epoch == pos["epoch"] else 0
             for batch in src.batches(epoch, batch_size, seed, drop_last, start):
                 if max_steps is not None and pos["step"] >= max_steps:
                     stop = True
                     break
+                if batch is None:  # every sample dropped by --skip-bad-samples: keep its place
+                    pos["position"] += 1
+                    continue
                 t0 = time.perf_counter()
                 loss, applied, scale = runner.step(batch)
                 times.append(time.perf_counter() - t0)
@@ -406,6 +353,7 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
                 history["loss"].append(loss)
                 history["scale"].append(scale)
                 history["applied"].append(applied)
+                run_loss.append(loss)
                 bar.update(1, epoch=epoch + 1, loss=f"{loss:.4f}", scale=f"{scale:g}", skipped=pos["skipped"])
                 if checkpoint_every and pos["step"] % checkpoint_every == 0:
                     checkpoint()
@@ -415,9 +363,17 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
             if eval_src is not None:
                 st = runner.state_numpy()
                 if evaluator is None:
-                    first = next(iter(_in_order(eval_src, 256)))
-                    evaluator = Evaluator(run_dir, meta, st, providers, first)
-                ev_result = evaluator.run(st, eval_src, max(batch_size, 256))
+                    first = next(iter(in_order(eval_src, 256)))
+                    evaluator = Evaluator(run_dir, meta, st, providers, first, device)
+                    if evaluator.note:
+                        notes.append(evaluator.note)
+                        _say(bar, evaluator.note)
+                ev_result = dict(evaluator.run(st, eval_src, max(batch_size, 256)), epoch=epoch + 1,
+                                 step=pos["step"])
+                history["eval"].append(ev_result)
+                run_eval.append(ev_result)
+                _say(bar, _eval_line(ev_result))
+                bar.update(0, eval_loss=f"{ev_result['loss']:.4f}")
     checkpoint()
     state = runner.state_numpy()
     losses = [x for x, a in zip(history["loss"], history["applied"]) if np.isfinite(x)]
@@ -428,11 +384,35 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
         "loss": float(np.mean(losses[-max(1, (nb or 10)):])) if losses else None,
         "last_loss": history["loss"][-1] if history["loss"] else None,
         "eval": ev_result, "seconds_per_step": statistics.median(times) if times else None,
-        "device": runner.device, "state_on_device": runner.bound, "precision": meta["config"]["precision"],
-        "epochs_done": pos["epoch"],
+        "device": runner.device, "providers": runner.providers, "device_note": "; ".join(notes) or None,
+        "state_on_device": runner.bound, "precision": meta["config"]["precision"],
+        "epochs_done": pos["epoch"], "eval_per_epoch": run_eval,
+        "dropped_samples": {"train": src.check.dropped, "eval": eval_src.check.dropped if eval_src else 0},
+        "loss_curve": LOSS_PNG,
     }
+    write_loss_png(os.path.join(run_dir, LOSS_PNG), run_loss, [(e["step"], e["loss"]) for e in run_eval],
+                   title=f"{os.path.basename(os.path.abspath(run_dir))}: loss ({meta['config']['precision']})")
     write_json(os.path.join(run_dir, "summary.json"), summary)
     return TrainResult(summary, history, state)
+
+
+def _say(bar: Progress, line: str):
+    """A line of its own in the progress output (above the progress line on a terminal)."""
+    if bar.enabled:
+        bar.stream.write(("\r" + line + "\x1b[K\n") if bar.tty else line + "\n")
+        bar.stream.flush()
+
+
+def _eval_line(e: dict) -> str:
+    return (f"epoch {e['epoch']} (step {e['step']}): eval loss {e['loss']:.4f}"
+            + (f", accuracy {e['accuracy']:.4f}" if "accuracy" in e else "") + f" on {e['samples']} samples")
+
+
+def _dropped_lines(*sources) -> list:
+    """What --skip-bad-samples dropped from the datasets (known when loaded; iterables count as they go)."""
+    return [f"{role}{'' if s.where in ('data', 'eval data') else ' ' + s.where}: dropped {s.check.dropped} "
+            "sample(s) holding NaN/inf (--skip-bad-samples)"
+            for role, s in zip(("train data", "eval data"), sources) if isinstance(s, Dataset) and s.check.dropped]
 
 
 def format_summary(s: dict) -> str:
@@ -440,19 +420,32 @@ def format_summary(s: dict) -> str:
              f"gradients); loss scale now {s['final_scale']:g}"]
     if s["loss"] is not None:
         lines.append(f"train loss (last epoch mean): {s['loss']:.4f}")
+    per_epoch = s.get("eval_per_epoch") or []
+    if len(per_epoch) > 1:
+        lines.append("eval per epoch: " + ", ".join(f"{e['epoch']}: {e['loss']:.4f}" for e in per_epoch))
     if s.get("eval"):
         e = s["eval"]
         lines.append(f"eval: loss {e['loss']:.4f}" + (f", accuracy {e['accuracy']:.4f}" if "accuracy" in e else "")
                      + f" on {e['samples']} samples")
+    dropped = s.get("dropped_samples") or {}
+    if any(dropped.values()):
+        lines.append(f"dropped for NaN/inf (--skip-bad-samples): {dropped.get('train', 0)} train, "
+                     f"{dropped.get('eval', 0)} eval sample(s)")
     if s["seconds_per_step"]:
         lines.append(f"time/step: {s['seconds_per_step'] * 1e3:.2f} ms (median, {s['device']}, {s['precision']})")
+    if s.get("device_note"):
+        lines.append(f"device: {s['device_note']}")
     return "\n".join(lines)
 
 
 # --- export ----------------------------------------------------------------------------------------
 
 def export(run_dir, out_path, precision: str = "fp32", state: dict | None = None) -> str:
-    """Write the inference model with the run's latest weights to out_path (atomically)."""
+    """Write the inference model with the run's latest weights to out_path (atomically).
+
+    Weights that the source model stored as Constant nodes (train.json "constant_weights")
+    are written back as Constant nodes of the same name, holding the trained values."""
+    from .source import restore_constants
     if precision not in ("fp32", "mixed"):
         raise GraphmpError(f"precision must be 'fp32' or 'mixed', not '{precision}'")
     meta = load_run(run_dir)
@@ -460,6 +453,7 @@ def export(run_dir, out_path, precision: str = "fp32", state: dict | None = None
     check_writable(out_path, meta["source"])
     state = state if state is not None else latest_state(run_dir)[0]
     model = infer_model(run_dir, meta, state)
+    restore_constants(model, meta.get("constant_weights") or {})
     onnx.checker.check_model(model, full_check=True)
     if precision == "mixed":
         from ..convert import convert

@@ -1,0 +1,263 @@
+"""Training / eval data for graphmp.train.loop: loading, batching and checks before use.
+
+- make_source(): an .npz path or a dict of arrays (a Dataset: checked once when loaded,
+  batched in a seeded order per epoch) or a re-iterable of batch dicts (a BatchIterable:
+  each batch checked as it comes); names, per-sample shapes and dtypes conformed to the
+  step graph (lossless casts only).
+- label_rule(): what a valid cross-entropy label is for a run (class axis, class count,
+  ignore index), read from train.json's config with defaults, so runs made before those
+  keys existed still work.
+- check_labels(): every label is a class index in [0, num_classes) or the ignore index;
+  otherwise one GraphmpError naming the data, the array, the bad value and its position.
+  Without the check, label -1 trains silently as the last class (ONNX Runtime's
+  SoftmaxCrossEntropyLoss wraps negative indices) and label >= classes is a raw runtime error.
+- nonfinite_samples(): which samples hold NaN/inf in a float array, so that bad input data
+  is reported as such (not as "inf/NaN gradients" many steps later) or dropped on request.
+
+Each check is one vectorised pass (np.isfinite / comparisons) over the arrays: a dataset is
+checked once when loaded, an iterable of batches batch by batch as it is assembled.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+
+from ..errors import GraphmpError
+from ..io import load_npz
+
+
+def label_rule(run_dir, meta: dict) -> dict | None:
+    """{'name', 'axis', 'num_classes', 'ignore_index'} for a cross-entropy run, None otherwise.
+
+    Needs: meta = train.json of run_dir. axis is the class axis of the model output
+    (config 'class_axis', default 1); num_classes comes from config 'num_classes' or, when
+    absent, from the static size of that axis of the model output in infer.onnx (None when
+    it is symbolic: then only negative labels can be checked)."""
+    cfg = meta.get("config", {})
+    if cfg.get("loss") != "cross-entropy":
+        return None
+    axis = int(cfg.get("class_axis", 1))
+    num = cfg.get("num_classes")
+    if num is None:
+        num = _static_class_count(os.path.join(os.fspath(run_dir), meta["infer_model"]), meta["model_output"], axis)
+    ignore = cfg.get("ignore_index")
+    return {"name": meta["label"]["name"], "axis": axis, "num_classes": None if num is None else int(num),
+            "ignore_index": None if ignore is None else int(ignore)}
+
+
+def _static_class_count(infer_path: str, output: str, axis: int) -> int | None:
+    """Size of `axis` of tensor `output` in the model at infer_path, when it is a fixed number."""
+    try:
+        m = onnx.load(infer_path, load_external_data=False)
+    except Exception:  # noqa: BLE001 - the count is optional; load_run already checked the file exists
+        return None
+    vi = next((v for v in list(m.graph.output) + list(m.graph.value_info) if v.name == output), None)
+    if vi is None:
+        try:
+            inferred = onnx.shape_inference.infer_shapes(m)
+        except Exception:  # noqa: BLE001
+            return None
+        vi = next((v for v in list(inferred.graph.output) + list(inferred.graph.value_info) if v.name == output),
+                  None)
+    if vi is None or not vi.type.tensor_type.HasField("shape"):
+        return None
+    dims = vi.type.tensor_type.shape.dim
+    if not -len(dims) <= axis < len(dims):
+        return None
+    d = dims[axis]
+    return int(d.dim_value) if d.HasField("dim_value") and d.dim_value > 0 else None
+
+
+def check_labels(labels: np.ndarray, rule: dict | None, where: str, first_axis: str = "sample") -> None:
+    """Raise a one-line GraphmpError if some label is not a valid class index for `rule`.
+
+    labels: integer array, first axis = samples (first_axis names it in the message, e.g.
+    "sample" or "sample of this batch"). Valid: 0 <= label < num_classes (upper bound only
+    when known), or label == ignore_index."""
+    if rule is None or labels.size == 0:
+        return
+    t = np.asarray(labels)
+    bad = t < 0
+    if rule["num_classes"] is not None:
+        bad |= t >= rule["num_classes"]
+    if rule["ignore_index"] is not None:
+        bad &= t != rule["ignore_index"]
+    if not bad.any():
+        return
+    flat = int(np.flatnonzero(bad)[0])
+    pos = np.unravel_index(flat, t.shape)
+    value = int(t[pos])
+    at = f"{first_axis} {pos[0]}" + (f", element {tuple(int(i) for i in pos)}" if t.ndim > 1 else "")
+    allowed = (f"0 <= label < {rule['num_classes']} (the model output has {rule['num_classes']} classes on "
+               f"axis {rule['axis']})" if rule["num_classes"] is not None else "labels >= 0")
+    ignore = (f" or the ignore index {rule['ignore_index']}" if rule["ignore_index"] is not None
+              else "; for padding labels build the run with an ignore index (e.g. --ignore-index -100)"
+              if value < 0 else "")
+    raise GraphmpError(f"{where}: '{rule['name']}' holds label {value} at {at} ({int(bad.sum())} bad label(s) "
+                       f"in all); cross-entropy needs {allowed}{ignore}. Fix the labels.")
+
+
+def nonfinite_samples(arrays: dict) -> tuple[np.ndarray | None, dict]:
+    """(bool mask over the first axis: sample holds NaN/inf in some float array, or None when
+    every value is finite; {array name: (non-finite values, first bad sample index)})."""
+    mask, found = None, {}
+    for name, a in arrays.items():
+        if a.dtype.kind != "f" or a.ndim == 0:
+            continue
+        fin = np.isfinite(a)
+        if fin.all():
+            continue
+        rows = ~fin.reshape(len(a), -1).all(axis=1)
+        found[name] = (int(fin.size - np.count_nonzero(fin)), int(np.flatnonzero(rows)[0]))
+        mask = rows if mask is None else mask | rows
+    return mask, found
+
+
+def describe_nonfinite(found: dict, mask: np.ndarray, where: str, first_axis: str = "sample") -> str:
+    """The one-line message for nonfinite_samples' result."""
+    parts = [f"'{n}' has {c} NaN/inf value(s), first at {first_axis} {i}" for n, (c, i) in found.items()]
+    return (f"{where}: the input data is not finite: {'; '.join(parts)} ({int(mask.sum())} of {len(mask)} "
+            "samples affected). Clean the data, or pass --skip-bad-samples (skip_bad_samples=True) to drop "
+            "those samples.")
+
+
+class DataCheck:
+    """The checks above applied to arrays as they are loaded or batched (first axis = samples).
+
+    Non-finite samples raise a GraphmpError, or with skip=True are dropped and counted in
+    .dropped; then the labels are checked against `rule` (label_rule(); None = no check)."""
+
+    def __init__(self, rule: dict | None, skip: bool = False):
+        self.rule, self.skip, self.dropped = rule, bool(skip), 0
+
+    def __call__(self, arrays: dict, where: str, first_axis: str = "sample") -> dict:
+        mask, found = nonfinite_samples(arrays)
+        if mask is not None:
+            if not self.skip:
+                raise GraphmpError(describe_nonfinite(found, mask, where, first_axis))
+            self.dropped += int(mask.sum())
+            arrays = {k: v[~mask] for k, v in arrays.items()}
+        if self.rule is not None:
+            check_labels(arrays[self.rule["name"]], self.rule, where, first_axis)
+        return arrays
+
+
+# --- loading and batching ------------------------------------------------------------------
+
+def _expected(meta) -> dict:
+    """{name: (dims, dtype)} of the step inputs a batch must hold."""
+    exp = {n: (d, np.dtype(meta["input_types"][n])) for n, d in meta["inputs"].items()}
+    lab = meta["label"]
+    exp[lab["name"]] = (lab["shape"], np.dtype(lab["dtype"]))
+    return exp
+
+
+def _conform(arrays: dict, meta: dict, where: str, batched: bool) -> dict:
+    """Check names, per-sample shapes and dtypes against the step graph; cast losslessly."""
+    exp = _expected(meta)
+    missing = [n for n in exp if n not in arrays]
+    if missing:
+        extra = sorted(set(arrays) - set(exp))
+        what = " (the labels: class indices for cross-entropy, targets for mse)" \
+            if meta["label"]["name"] in missing else ""
+        raise GraphmpError(f"{where}: missing array(s) {missing}{what}. Expected one array per model input plus "
+                           f"the labels: {list(exp)}; found {sorted(arrays)}"
+                           + (f" (unused: {extra})" if extra else "") + ".")
+    out, n = {}, None
+    for name, (dims, dt) in exp.items():
+        a = np.asarray(arrays[name])
+        if dims is not None and a.ndim != len(dims):
+            raise GraphmpError(f"{where}: '{name}' has shape {a.shape}, the model wants {len(dims)} axes {dims} "
+                               f"(first axis = {'batch' if batched else 'samples'}).")
+        for i, d in enumerate(dims or []):
+            if i > 0 and isinstance(d, int) and a.shape[i] != d:
+                raise GraphmpError(f"{where}: '{name}' has shape {a.shape}; axis {i} must be {d} (model wants {dims}).")
+        if n is None:
+            n = a.shape[0] if a.ndim else None
+        elif a.ndim and a.shape[0] != n:
+            raise GraphmpError(f"{where}: arrays disagree on the number of samples (first axis): '{name}' has "
+                               f"{a.shape[0]}, others {n}.")
+        if a.dtype != dt:
+            if dt.kind == "i" and a.dtype.kind == "f" and not np.array_equal(a, np.round(a)):
+                raise GraphmpError(f"{where}: '{name}' must hold integer class indices, got non-integer floats.")
+            if dt.kind == "i" and a.dtype.kind not in "iuf" or dt.kind == "f" and a.dtype.kind not in "iuf":
+                raise GraphmpError(f"{where}: '{name}' has dtype {a.dtype}; the model wants {dt}.")
+            a = a.astype(dt)
+        out[name] = a
+    return out
+
+
+class Dataset:
+    """Arrays with samples on the first axis, batched in a seeded order per epoch.
+
+    Checked once when loaded (check: a DataCheck; samples with NaN/inf dropped when it skips)."""
+
+    def __init__(self, data, meta, where, check: DataCheck):
+        arrays = load_npz(os.fspath(data)) if isinstance(data, (str, os.PathLike)) else dict(data)
+        self.arrays = check(_conform(arrays, meta, where, batched=False), where)
+        self.n = next(iter(self.arrays.values())).shape[0]
+        self.where, self.check = where, check
+
+    def num_batches(self, batch_size, drop_last):
+        return self.n // batch_size if drop_last else -(-self.n // batch_size)
+
+    def batches(self, epoch, batch_size, seed, drop_last, start=0):
+        order = np.random.default_rng(seed + epoch).permutation(self.n)
+        for i in range(start, self.num_batches(batch_size, drop_last)):
+            idx = order[i * batch_size:(i + 1) * batch_size]
+            yield {k: v[idx] for k, v in self.arrays.items()}
+
+    def sequential(self, batch_size):
+        for i in range(0, self.n, batch_size):
+            yield {k: v[i:i + batch_size] for k, v in self.arrays.items()}
+
+
+class BatchIterable:
+    """A re-iterable of batch dicts (the Python API). Each batch is checked as it comes (check:
+    a DataCheck); a batch left without samples, or short of the model's fixed batch size,
+    after dropping bad samples is yielded as None (the caller skips it, counting its place)."""
+
+    def __init__(self, data, meta, check: DataCheck):
+        self.data, self.meta, self.check = data, meta, check
+        self.n = None
+        fixed = [d[0] for d in meta["inputs"].values() if d and isinstance(d[0], int)]
+        self.fixed = fixed[0] if fixed else None
+        try:
+            self.nb = len(data)
+        except TypeError:
+            self.nb = None
+
+    def num_batches(self, batch_size, drop_last):
+        return self.nb
+
+    def batches(self, epoch, batch_size, seed, drop_last, start=0):
+        for i, b in enumerate(self.data):
+            if i >= start:
+                where = f"batch {i} of epoch {epoch}"
+                b = _conform(b, self.meta, where, batched=True)
+                k = len(next(iter(b.values())))
+                b = self.check(b, where, "sample of this batch")
+                n = len(next(iter(b.values())))
+                if n == 0 or (n < k and self.fixed is not None):
+                    self.check.dropped += n
+                    b = None
+                yield b
+
+
+def make_source(data, meta, what="data", check: DataCheck | None = None):
+    """data (an .npz path, a dict of arrays or an iterable of batch dicts) as a batch source."""
+    check = check or DataCheck(None)
+    if isinstance(data, (str, os.PathLike, dict)):
+        return Dataset(data, meta, os.fspath(data) if isinstance(data, (str, os.PathLike)) else what, check)
+    if hasattr(data, "__iter__"):
+        return BatchIterable(data, meta, check)
+    raise GraphmpError(f"{what} must be an .npz path, a dict of arrays or an iterable of batch dicts, "
+                       f"not {type(data).__name__}")
+
+
+def in_order(src, batch_size):
+    """Every sample once, in order (eval); batches dropped whole by the data check are left out."""
+    it = src.sequential(batch_size) if isinstance(src, Dataset) else src.batches(0, batch_size, 0, False)
+    return (b for b in it if b is not None)
