@@ -647,7 +647,7 @@ def _resume_mismatch(run, tmp_path):
 def test_unsupported_op_is_named(tmp_path):
     from onnx import helper, numpy_helper
     g = helper.make_graph([helper.make_node("Gemm", ["x", "w"], ["h"], name="fc", transB=1),
-                           helper.make_node("Softplus", ["h"], ["logits"], name="weird_node")], "g",
+                           helper.make_node("LpNormalization", ["h"], ["logits"], name="weird_node", axis=1)], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
                           [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 3])],
                           [numpy_helper.from_array(np.ones((3, 4), np.float32), "w")])

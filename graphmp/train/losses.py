@@ -1,0 +1,171 @@
+"""The loss of the training step: cross-entropy (torch's F.cross_entropy semantics) or MSE.
+
+Cross-entropy options (config keys, as train.json stores them):
+    class_axis       axis of the model output holding the classes (default 1: [N, C, d...];
+                     -1 for a language model's [N, T, V] logits). The labels have the output's
+                     shape without that axis ([N, T] for [N, T, V]).
+    ignore_index     label value that contributes neither loss nor gradient (torch: -100); the
+                     mean is over the other positions (weighted: over their class weights).
+    label_smoothing  eps in [0, 1): loss = (1 - eps) * NLL + eps / C * sum_c -w_c log p_c,
+                     the smoothing term averaged as the NLL is (torch's definition).
+    class_weights    one weight per class (torch's `weight`): weighted mean
+                     sum_i w[y_i] * nll_i / sum_i w[y_i].
+    num_classes      the size of the class axis (None when it is dynamic).
+
+The NLL part is one SoftmaxCrossEntropyLoss node (after a Transpose that brings the class
+axis to 1), which ONNX Runtime runs fused and graphmp's autodiff differentiates; label
+smoothing adds LogSoftmax -> weighted ReduceSum over the classes, masked like the NLL.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from ..errors import GraphmpError
+from .builder import Builder
+
+LOSSES = ("cross-entropy", "mse")
+LOSS = "loss"
+
+
+def parse_class_weights(spec) -> list | None:
+    """Class weights from a .npy path or 'w1,w2,...' (CLI) or a sequence (API); None for None.
+    Raises GraphmpError naming the bad value."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        if spec.endswith(".npy") or os.path.isfile(spec):
+            if not os.path.isfile(spec):
+                raise GraphmpError(f"{spec}: no such file (class weights: a .npy of one weight per class, "
+                                   "or comma-separated numbers)")
+            try:
+                arr = np.load(spec, allow_pickle=False)
+            except (ValueError, OSError) as e:
+                raise GraphmpError(f"{spec}: not a .npy array of class weights ({e})") from None
+        else:
+            try:
+                arr = np.array([float(x) for x in spec.split(",") if x.strip()])
+            except ValueError:
+                raise GraphmpError(f"class weights '{spec}': expected comma-separated numbers "
+                                   "(e.g. 1,2.5,1) or a .npy file") from None
+    else:
+        arr = np.asarray(spec)
+    arr = np.asarray(arr, dtype=np.float64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise GraphmpError(f"class weights: need a 1-D list of one weight per class, got shape {arr.shape}")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0) or not arr.sum() > 0:
+        raise GraphmpError(f"class weights must be finite, >= 0 and not all zero (got {arr.tolist()})")
+    return [float(x) for x in arr]
+
+
+def check_loss_config(cfg: dict, bad) -> None:
+    """Validate the loss keys of cfg (bad(msg) raises)."""
+    if cfg["loss"] not in LOSSES:
+        bad(f"loss must be one of {LOSSES}, not '{cfg['loss']}'")
+    ls = cfg["label_smoothing"]
+    if not 0.0 <= ls < 1.0:
+        bad(f"label_smoothing must be in [0, 1) (got {ls})")
+    if cfg["loss"] != "cross-entropy":
+        used = [k for k, off in (("class_axis", 1), ("ignore_index", None), ("label_smoothing", 0.0),
+                                 ("class_weights", None)) if cfg[k] != off]
+        if used:
+            bad(f"{', '.join(used)} only apply to the cross-entropy loss, not '{cfg['loss']}'")
+
+
+def class_axis(cfg: dict, rank: int | None, path: str) -> int:
+    """The class axis as a non-negative index of an output of `rank` dims."""
+    a = int(cfg["class_axis"])
+    if rank is None:
+        if a == 1:
+            return 1
+        raise GraphmpError(f"{path}: the rank of output '{cfg['output']}' is unknown, so class_axis {a} cannot "
+                           "be placed; give the model output a known shape or use class_axis 1.")
+    if not -rank <= a < rank:
+        raise GraphmpError(f"{path}: class_axis {a} is out of range for output '{cfg['output']}' of rank {rank}.")
+    a %= rank
+    if a == 0:
+        raise GraphmpError(f"{path}: class_axis {cfg['class_axis']} is the batch axis of output "
+                           f"'{cfg['output']}' (rank {rank}); the classes need their own axis (e.g. 1 or -1).")
+    return a
+
+
+def label_spec(cfg: dict, out_dims, path: str):
+    """(shape, elem type) of the labels input; sets cfg['num_classes'] (cross-entropy)."""
+    shape = cfg["label_shape"]
+    ce = cfg["loss"] == "cross-entropy"
+    cfg["num_classes"] = None
+    if ce and out_dims is not None:
+        a = class_axis(cfg, len(out_dims), path)
+        n = out_dims[a]
+        cfg["num_classes"] = n if isinstance(n, int) and n > 0 else None
+    if shape is None:
+        if not out_dims:
+            raise GraphmpError(f"{path}: the shape of output '{cfg['output']}' is unknown; give label_shape "
+                               "(e.g. --label-shape N for class indices of a batch of N).")
+        shape = [d for i, d in enumerate(out_dims) if i != a] if ce else list(out_dims)
+        shape = [d if d is not None else f"label_dim{i}" for i, d in enumerate(shape)]
+    shape = [int(d) if isinstance(d, str) and d.isdigit() else d for d in shape]
+    w = cfg["class_weights"]
+    if ce and w is not None and cfg["num_classes"] is not None and len(w) != cfg["num_classes"]:
+        raise GraphmpError(f"{path}: {len(w)} class weights for {cfg['num_classes']} classes (axis "
+                           f"{cfg['class_axis']} of output '{cfg['output']}'); give one weight per class.")
+    return shape, (TensorProto.INT64 if ce else TensorProto.FLOAT)
+
+
+def add_loss(model, b: Builder, cfg: dict, out_dims, label_dims, label_elem) -> str:
+    """Append the labels input and the loss nodes; return the FP32 scalar loss tensor (LOSS)."""
+    output, label_name = cfg["output"], cfg["label_name"]
+    model.graph.input.append(helper.make_tensor_value_info(label_name, label_elem, label_dims))
+    if cfg["loss"] != "cross-entropy":
+        d = b.op("Sub", [output, label_name])
+        return b.op("ReduceMean", [b.op("Mul", [d, d])], out=LOSS, keepdims=0)
+    rank = None if out_dims is None else len(out_dims)
+    a = class_axis(cfg, rank, cfg["output"])
+    scores = output
+    if a != 1:  # SoftmaxCrossEntropyLoss takes the classes on axis 1
+        perm = [0, a] + [i for i in range(1, rank) if i != a]
+        scores = b.op("Transpose", [output], perm=perm)
+    weights = None if cfg["class_weights"] is None else b.const(cfg["class_weights"])
+    ignore = cfg["ignore_index"]
+    kw = {} if ignore is None else {"ignore_index": int(ignore)}
+    eps = float(cfg["label_smoothing"])
+    nll = LOSS if not eps else b.name("nll")
+    b.g.node.append(helper.make_node("SoftmaxCrossEntropyLoss", [scores, label_name] + ([weights] if weights else []),
+                                     [nll], name=b.name("SoftmaxCrossEntropyLoss"), reduction="mean", **kw))
+    if not eps:
+        return LOSS
+    return _smoothed(b, cfg, scores, nll, weights, eps)
+
+
+def _smoothed(b: Builder, cfg, scores, nll, weights, eps) -> str:
+    """(1 - eps) * nll + eps / C * mean_i sum_c -w_c log p_ic (torch's label smoothing; ignored
+    positions left out, the mean normalised as the NLL's: by sum of w[y_i], or by the count)."""
+    label_name, ignore = cfg["label_name"], cfg["ignore_index"]
+    logp = b.op("LogSoftmax", [scores], axis=1)
+    if weights is not None:
+        rank = len(cfg["label_shape"]) + 1
+        wb = b.const(np.array(cfg["class_weights"], np.float32).reshape([1, -1] + [1] * (rank - 2)))
+        logp = b.op("Mul", [logp, wb])
+    per = b.op("Neg", [b.op("ReduceSum", [logp, b.const([1], np.int64)], keepdims=0)])  # labels' shape
+    lab = label_name
+    valid = None
+    if ignore is not None:
+        valid = b.op("Not", [b.op("Equal", [label_name, b.const(int(ignore), np.int64)])])
+        lab = b.op("Where", [valid, label_name, b.const(0, np.int64)])
+        per = b.op("Mul", [per, b.op("Cast", [valid], to=TensorProto.FLOAT)])
+    if weights is not None:
+        wy = b.op("Gather", [weights, lab], axis=0)
+        if valid is not None:
+            wy = b.op("Mul", [wy, b.op("Cast", [valid], to=TensorProto.FLOAT)])
+        denom = b.op("ReduceSum", [wy], keepdims=0)
+    elif valid is not None:
+        denom = b.op("ReduceSum", [b.op("Cast", [valid], to=TensorProto.FLOAT)], keepdims=0)
+    else:
+        denom = b.op("Cast", [b.op("Size", [label_name])], to=TensorProto.FLOAT)
+    smooth = b.op("Div", [b.op("ReduceSum", [per], keepdims=0), denom])
+    classes = b.op("Cast", [b.op("Gather", [b.op("Shape", [scores]), b.const(1, np.int64)], axis=0)],
+                   to=TensorProto.FLOAT)
+    coef = b.op("Div", [b.const(eps), classes])
+    return b.op("Add", [b.op("Mul", [nll, b.const(1.0 - eps)]), b.op("Mul", [smooth, coef])], out=LOSS)

@@ -1,0 +1,157 @@
+"""The update half of the training step: finiteness check, clipping, learning-rate schedule,
+gradient accumulation, SGD / AdamW, dynamic loss scale (all as ONNX nodes).
+
+Learning-rate schedule (config lr_schedule, warmup_steps, total_steps), computed in the
+graph from the optimizer_step state t (optimizer steps applied so far: a resumed run goes on
+with the schedule; skipped steps do not advance it), the factor of the base lr:
+    t < warmup:  t / warmup                                  (linear warmup from 0)
+    constant:    1
+    linear:      max(0, (total - t) / max(1, total - warmup))
+    cosine:      0.5 * (1 + cos(pi * min(1, (t - warmup) / max(1, total - warmup))))
+(HF transformers' get_*_schedule_with_warmup; torch LambdaLR with those lambdas.)
+
+Gradient accumulation (grad_accum N > 1): state `<w>__accum` (the sum of this window's
+unscaled gradients) and `accum_count` (runs summed so far). A run adds its gradient; the
+N-th run of a window applies the optimizer to the mean (sum / N), then zeroes both. The
+finiteness check (skip + loss-scale backoff) is made on that update run, on the summed
+gradient, so one overflowing micro-batch skips the whole window; the loss scale only
+changes on update runs, so every gradient of a window is unscaled by the same S.
+"""
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from .builder import Builder
+
+SCHEDULES = ("constant", "linear", "cosine")
+OPTIMIZERS = ("adamw", "sgd")
+ACCUM = "__accum"
+ACCUM_COUNT = "accum_count"
+
+
+def finite_flag(b: Builder, tensors, out: str | None = None) -> str:
+    """One bool scalar: True iff every element of every tensor is finite.
+
+    Each tensor contributes ReduceSum(t * 0): exactly 0 when t is finite, NaN as soon as
+    one element is inf or NaN (inf * 0 = NaN). Sum of those is NaN iff any is. Unlike a
+    plain ReduceSum(t), this cannot report a false overflow when a large finite sum
+    exceeds the FP32 range, and it needs only ops every runtime has (Mul, ReduceSum, Sum,
+    IsNaN, Not) in any float type."""
+    zero = b.const(0.0)
+    parts = [b.op("ReduceSum", [b.op("Mul", [t, zero])], keepdims=0) for t in tensors]
+    total = parts[0] if len(parts) == 1 else b.op("Sum", parts)
+    return b.op("Not", [b.op("IsNaN", [total])], out=out)
+
+
+def clip(b: Builder, grads: dict, max_norm: float) -> dict:
+    """torch.nn.utils.clip_grad_norm_: g *= min(1, max_norm / (||g||_2 + 1e-6)), global norm."""
+    sq = [b.op("ReduceSumSquare", [g], keepdims=0) for g in grads.values()]
+    norm = b.op("Sqrt", [sq[0] if len(sq) == 1 else b.op("Sum", sq)])
+    coef = b.op("Div", [b.const(max_norm), b.op("Add", [norm, b.const(1e-6)])])
+    coef = b.op("Min", [coef, b.const(1.0)])
+    return {w: b.op("Mul", [g, coef]) for w, g in grads.items()}
+
+
+def lr_factor(t: float, schedule: str, warmup: int, total: int | None) -> float:
+    """The schedule's factor of the base lr at optimizer step t (numpy twin of lr_tensor)."""
+    if t < warmup:
+        return t / warmup
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total - warmup)
+    if schedule == "linear":
+        return max(0.0, (total - t) / span)
+    return 0.5 * (1.0 + np.cos(np.pi * min(1.0, (t - warmup) / span)))
+
+
+def lr_tensor(b: Builder, cfg: dict, step: str) -> str:
+    """The learning rate of this step as an FP32 scalar tensor (a constant without a schedule)."""
+    lr, sched, warm, total = cfg["lr"], cfg["lr_schedule"], cfg["warmup_steps"], cfg["total_steps"]
+    if sched == "constant" and not warm:
+        return b.const(lr)
+    t = b.op("Cast", [step], to=TensorProto.FLOAT)
+    if sched == "constant":
+        factor = b.const(1.0)
+    else:
+        span = b.const(float(max(1, total - warm)))
+        if sched == "linear":
+            factor = b.op("Max", [b.op("Div", [b.op("Sub", [b.const(float(total)), t]), span]), b.const(0.0)])
+        else:
+            prog = b.op("Min", [b.op("Div", [b.op("Sub", [t, b.const(float(warm))]), span]), b.const(1.0)])
+            cos = b.op("Cos", [b.op("Mul", [prog, b.const(np.pi)])])
+            factor = b.op("Mul", [b.op("Add", [cos, b.const(1.0)]), b.const(0.5)])
+    if warm:
+        ramp = b.op("Div", [t, b.const(float(warm))])
+        factor = b.op("Where", [b.op("Less", [t, b.const(float(warm))]), ramp, factor])
+    return b.op("Mul", [factor, b.const(lr)])
+
+
+def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str) -> tuple[dict, dict]:
+    """Returns ({state input: new value (ungated)}, {moment state: the weight it belongs to})."""
+    new, moments = {}, {}
+    wd = cfg["weight_decay"]
+    if cfg["optimizer"] == "sgd":
+        mom = cfg["momentum"]
+        for w, g in grads.items():
+            if wd:
+                g = b.op("Add", [g, b.op("Mul", [w, b.const(wd)])])
+            if mom:
+                buf = w + "__momentum"
+                g = b.op("Add", [b.op("Mul", [buf, b.const(mom)]), g])
+                new[buf] = g
+                moments[buf] = w
+            new[w] = b.op("Sub", [w, b.op("Mul", [g, lr])])
+        return new, moments
+    b1, b2 = cfg["betas"]
+    eps = cfg["eps"]
+    # bias corrections from the new step count t (as torch: step is incremented first)
+    bc1 = b.op("Sub", [b.const(1.0), b.op("Pow", [b.const(b1), step_next_f])])
+    bc2 = b.op("Sub", [b.const(1.0), b.op("Pow", [b.const(b2), step_next_f])])
+    step_size = b.op("Div", [lr, bc1])
+    bc2_sqrt = b.op("Sqrt", [bc2])
+    keep = b.op("Sub", [b.const(1.0), b.op("Mul", [lr, b.const(wd)])]) if wd else None
+    for w, g in grads.items():
+        m, v = w + "__exp_avg", w + "__exp_avg_sq"
+        decayed = b.op("Mul", [w, keep]) if wd else w
+        m_new = b.op("Add", [b.op("Mul", [m, b.const(b1)]), b.op("Mul", [g, b.const(1.0 - b1)])])
+        v_new = b.op("Add", [b.op("Mul", [v, b.const(b2)]),
+                             b.op("Mul", [b.op("Mul", [g, g]), b.const(1.0 - b2)])])
+        denom = b.op("Add", [b.op("Div", [b.op("Sqrt", [v_new]), bc2_sqrt]), b.const(eps)])
+        new[w] = b.op("Sub", [decayed, b.op("Mul", [b.op("Div", [m_new, denom]), step_size])])
+        new[m], new[v] = m_new, v_new
+        moments[m] = moments[v] = w
+    return new, moments
+
+
+def accumulate(b: Builder, grads: dict, n: int) -> tuple[dict, str, dict]:
+    """Gradient accumulation over n runs (n > 1): returns (the window's mean gradients, the bool
+    `update` flag of this run, {accum state: its next value}); zeroed after an update run."""
+    count1 = b.op("Add", [ACCUM_COUNT, b.const(1, np.int64)])
+    update = b.op("GreaterOrEqual", [count1, b.const(n, np.int64)])
+    mean, nxt = {}, {}
+    for w, g in grads.items():
+        total = b.op("Add", [w + ACCUM, g])
+        mean[w] = b.op("Div", [total, b.const(float(n))])
+        # zeros, not total * 0: that would keep a NaN of an overflowing window
+        nxt[w + ACCUM] = b.op("Where", [update, _zeros_like(b, w), total])
+    nxt[ACCUM_COUNT] = b.op("Where", [update, b.const(0, np.int64), count1])
+    return mean, update, nxt
+
+
+def _zeros_like(b: Builder, t: str) -> str:
+    return b.op("ConstantOfShape", [b.op("Shape", [t])])
+
+
+def scale_update(b: Builder, cfg: dict, finite: str, scale: str, clean: str) -> tuple[str, str]:
+    """Dynamic loss scale (torch GradScaler semantics, plus floor and cap); returns the new
+    (scale, clean-step counter):
+    overflow -> S = max(S * backoff, min_scale), clean = 0;
+    finite   -> clean += 1; if clean >= growth_interval: S = min(S * growth, max_scale), clean = 0."""
+    clean1 = b.op("Add", [clean, b.const(1, np.int64)])
+    grow = b.op("GreaterOrEqual", [clean1, b.const(cfg["growth_interval"], np.int64)])
+    grown = b.op("Min", [b.op("Mul", [scale, b.const(cfg["growth"])]), b.const(cfg["max_scale"])])
+    s_ok = b.op("Where", [grow, grown, scale])
+    c_ok = b.op("Where", [grow, b.const(0, np.int64), clean1])
+    s_bad = b.op("Max", [b.op("Mul", [scale, b.const(cfg["backoff"])]), b.const(cfg["min_scale"])])
+    return b.op("Where", [finite, s_ok, s_bad]), b.op("Where", [finite, c_ok, b.const(0, np.int64)])
