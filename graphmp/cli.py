@@ -10,7 +10,17 @@ import threading
 
 from .version import __version__
 from .errors import GraphmpError
-from .io import check_writable, write_json
+
+
+# graphmp.io imports onnx and numpy (0.3 s): `graphmp --help` and usage errors need neither
+def check_writable(path, src):
+    from .io import check_writable as check
+    return check(path, src)
+
+
+def write_json(path, data):
+    from .io import write_json as write
+    return write(path, data)
 
 EPILOG_CONVERT = """\
 how precision is chosen:
@@ -101,6 +111,14 @@ def _add_convert(sub):
     c.add_argument("--rtol", type=float, help="see --atol")
     c.add_argument("--pad-channels", type=int, metavar="N", help="also pad Conv channels and GEMM dims to "
                    "multiples of N first (see `graphmp pad --help`)")
+    c.add_argument("--fuse", metavar="ort", help="first fuse with ONNX Runtime's own transformer optimizer "
+                   "(Attention, SkipLayerNormalization, BiasGelu, ... as com.microsoft ops: fewer, faster kernels "
+                   "on ORT CUDA), then choose precisions on the fused graph. The output then runs on ONNX Runtime "
+                   "ONLY: TensorRT's parser rejects com.microsoft ops, so leave --fuse out for TensorRT (the "
+                   "default output is standard ONNX). Needs sympy: pip install 'graphmp[fuse]'")
+    c.add_argument("--model-type", metavar="TYPE", help="--fuse ort: the model type of ORT's optimizer (bert, "
+                   "gpt2, vit, clip, t5, ...; default: found from the graph: encoder -> bert, causal decoder -> "
+                   "gpt2, patch-embedding vision model -> vit)")
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
 
 
@@ -141,7 +159,8 @@ def _run_convert(args) -> int:
                   calibration=cal, shapes=args.shapes, range_threshold=args.range_threshold,
                   max_error=args.max_error, metric=args.metric, strict=args.strict,
                   external_data=args.external_data, validate=args.validate, atol=args.atol,
-                  rtol=args.rtol, verbose=not args.quiet, pad_channels=args.pad_channels)
+                  rtol=args.rtol, verbose=not args.quiet, pad_channels=args.pad_channels,
+                  fuse=args.fuse, model_type=args.model_type)
     if args.report:
         write_json(args.report, rep.to_dict())
     if not args.quiet:
@@ -169,8 +188,11 @@ what is padded (with zero weights, so outputs are unchanged):
   ops (BatchNorm, activations, Add/Mul, pooling, Concat, Flatten, ...) and are sliced back
   only where they would become observable (graph outputs, Reshape, Softmax, reductions).
   A first Conv on a 3-channel input gets one Pad node: to 4 channels with stride >= 2,
-  else 8 (--stem off leaves it). Grouped convs, layers already aligned and layers where
-  padding would cost more than --max-overhead stay as they are; the report says why.
+  else 8 (--stem off leaves it). A GEMM K fed by OneHot (depth 257 -> 264), an embedding
+  Gather (table columns) or a Concat with a constant input is padded at that producer.
+  Grouped convs, layers already aligned and layers where padding would cost more than
+  --max-overhead stay as they are; the report says why, and which layers could only be
+  aligned by a runtime Pad copy.
 
 examples:
   graphmp pad model.onnx -o model.pad.onnx                      # multiples of 8
@@ -256,14 +278,28 @@ examples:
   graphmp train-graph model.onnx -o run/ --loss cross-entropy --label-shape N --lr 1e-3
   graphmp train-graph model.onnx -o run/ --optimizer sgd --lr 0.1 --momentum 0.9 --loss-scale 1024
   graphmp train-graph model.onnx -o run/ --loss mse --precision fp32 --trainable 'head\\.'
+  graphmp train-graph lm.onnx -o run/ --class-axis -1 --ignore-index -100 --label-smoothing 0.1 \\
+      --lr-schedule cosine --warmup-steps 100 --total-steps 5000 --grad-accum 4
+  graphmp train-graph model.onnx -o run/ --force    # replace the run in run/ (its checkpoints are deleted)
+
+export for training: torch's dynamo exporter in eval mode folds BatchNorm into Conv and drops
+Dropout; train-graph warns when a CNN looks like that. Keep the module's parameters with
+torch.onnx.export(..., dynamo=False, do_constant_folding=False,
+training=torch.onnx.TrainingMode.TRAINING).
 """
 
 EPILOG_TRAIN = """\
 data: an .npz with one array per model input (named as the input) plus `labels`
 (class indices for cross-entropy, targets for mse); first axis = samples. Each epoch
 shuffles (numpy default_rng(seed + epoch)) and drops the last partial batch.
+Checked before the first step (train and --eval data): cross-entropy labels must lie in
+[0, classes) or equal the run's ignore index; NaN/inf in a float array is an error naming
+the array, the count and the first sample (--skip-bad-samples drops those samples instead).
 A checkpoint (RUN/ckpt-*.npz + RUN/checkpoint.json) is written every --checkpoint-every
 steps and at the end; rerunning the same command resumes from it (--no-resume starts over).
+Output: eval loss/accuracy after every epoch (with --eval), RUN/summary.json (eval per
+epoch in "eval_per_epoch", the providers that ran in "providers") and RUN/loss.png (train
+loss per step, eval loss per epoch, the whole run).
 
 examples:
   graphmp train run/ --data train.npz --epochs 3 --eval eval.npz
@@ -281,15 +317,35 @@ def _add_train_graph(sub):
                        "ops that ONNX Runtime (CPU, CUDA) runs as an ordinary session. The model is not modified.",
                        epilog=EPILOG_TRAIN_GRAPH, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("model", help="FP32 .onnx model to train")
-    t.add_argument("-o", "--output", required=True, metavar="RUN_DIR", help="run folder to write (created)")
+    t.add_argument("-o", "--output", required=True, metavar="RUN_DIR", help="run folder to write (created; a "
+                   "non-empty folder is refused unless --force)")
+    t.add_argument("--force", action="store_true", help="replace the run in a non-empty RUN_DIR: its train.json, "
+                   "checkpoints, summary and loss curve are deleted first, so old and new never mix")
     t.add_argument("--loss", choices=["cross-entropy", "mse"], default="cross-entropy",
-                   help="cross-entropy: integer class labels over axis 1 of the output; mse: mean squared error")
+                   help="cross-entropy: integer class labels (torch's F.cross_entropy); mse: mean squared error")
+    t.add_argument("--class-axis", type=int, default=1, metavar="AXIS", help="cross-entropy: the output axis "
+                   "holding the classes (default 1 for [N,C,...]; -1 for a language model's [N,T,V] logits, "
+                   "whose labels are then [N,T])")
+    t.add_argument("--ignore-index", type=int, metavar="LABEL", help="cross-entropy: positions with this label "
+                   "give neither loss nor gradient; the mean is over the others (torch's convention: -100)")
+    t.add_argument("--label-smoothing", type=float, default=0.0, metavar="EPS",
+                   help="cross-entropy: torch's label smoothing, in [0, 1) (default 0)")
+    t.add_argument("--class-weights", metavar="FILE.npy|W1,W2,...", help="cross-entropy: one weight per class "
+                   "(torch's weight=: the mean is weighted by the labels' class weights)")
     t.add_argument("--label-shape", type=_shape, metavar="DIMS", help="labels shape, comma separated, names "
                    "for symbolic dims (e.g. N or N,10); default: derived from the model output")
     t.add_argument("--model-output", metavar="TENSOR", help="tensor that feeds the loss (default: the first "
                    "output; for a model ending in Softmax name the logits before it)")
     t.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    t.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    t.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3); the peak of a schedule")
+    t.add_argument("--lr-schedule", choices=["constant", "linear", "cosine"], default="constant",
+                   help="lr over the optimizer steps, computed in the graph from the step counter (a resumed run "
+                   "continues it): linear/cosine decay to 0 at --total-steps (default constant)")
+    t.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                   help="linear warmup from 0 to --lr over the first N optimizer steps (default 0)")
+    t.add_argument("--total-steps", type=int, metavar="N", help="optimizer steps of the whole run (linear/cosine)")
+    t.add_argument("--grad-accum", type=int, default=1, metavar="N", help="sum the gradients of N consecutive "
+                   "batches and update once with their mean (an effective batch N times larger; default 1)")
     t.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default 0.9; 0 = none)")
     t.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"), help="AdamW betas")
     t.add_argument("--eps", type=float, default=1e-8, help="AdamW epsilon")
@@ -303,8 +359,9 @@ def _add_train_graph(sub):
     t.add_argument("--growth", type=float, default=2.0, help="dynamic: S factor after growth-interval clean steps (2)")
     t.add_argument("--min-scale", type=float, default=1.0, help="dynamic: floor of S (1)")
     t.add_argument("--max-scale", type=float, default=2.0**24, help="dynamic: cap of S (2^24)")
-    t.add_argument("--precision", choices=["mixed", "fp32"], default="mixed",
-                   help="mixed: FP16 compute with FP32 islands, as `graphmp convert` decides (default)")
+    t.add_argument("--precision", choices=["mixed", "fp32", "bf16"], default="mixed",
+                   help="mixed: FP16 compute with FP32 islands, as `graphmp convert` decides (default); bf16: "
+                   "the same in BF16, no loss scaling (refused where ONNX Runtime lacks BF16 kernels, e.g. CPU)")
     t.add_argument("--trainable", metavar="REGEX", help="train only the initializers whose name matches")
     t.add_argument("--calibration", nargs="+", metavar="NPZ", help="(mixed) input batches for the convert "
                    "range check, one array per model input; default: a generated batch")
@@ -326,14 +383,19 @@ def _add_train(sub):
     t.add_argument("--seed", type=int, default=0, help="shuffling seed")
     t.add_argument("--max-steps", type=int, help="stop after this many steps in total")
     t.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: CUDA when onnxruntime-gpu sees a GPU (state stays on the device), else CPU")
+                   help="cuda: ONNX Runtime's CUDA provider (state stays on the device); fails with a message "
+                   "when onnxruntime has no CUDA provider or a session does not get it. auto (default): CUDA "
+                   "when available, else the CPU, and says so. cpu: the CPU")
+    t.add_argument("--skip-bad-samples", action="store_true",
+                   help="drop samples holding NaN/inf (train and eval data) and say how many, instead of failing")
     t.add_argument("-q", "--quiet", action="store_true", help="no progress line")
 
 
 def _add_export(sub):
     e = sub.add_parser("export", help="write an inference model holding the trained weights",
                        description="Write the source model with the run's latest trained weights and BatchNorm "
-                       "running statistics (FP32), or converted to mixed precision with --mixed.")
+                       "running statistics (FP32), or converted to mixed precision with --mixed. Weights the "
+                       "source model stored as Constant nodes are written back as Constant nodes.")
     e.add_argument("run_dir", help="run folder made by `graphmp train-graph` (and trained)")
     e.add_argument("-o", "--output", required=True, help="output .onnx")
     e.add_argument("--mixed", action="store_true", help="convert to mixed precision (as `graphmp convert`)")
@@ -348,7 +410,20 @@ def _run_train_graph(args) -> int:
                       growth_interval=args.growth_interval, backoff=args.backoff, growth=args.growth,
                       min_scale=args.min_scale, max_scale=args.max_scale, precision=args.precision,
                       output=args.model_output, trainable=args.trainable, calibration=args.calibration,
-                      shapes=args.shapes)
+                      shapes=args.shapes, class_axis=args.class_axis, ignore_index=args.ignore_index,
+                      label_smoothing=args.label_smoothing, class_weights=args.class_weights,
+                      lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, total_steps=args.total_steps,
+                      grad_accum=args.grad_accum, force=args.force)
+    for w in meta["warnings"]:
+        print(w, file=sys.stderr)
+    lifted = [w for w in meta["weights"] if w in meta["constant_weights"]]
+    if lifted:
+        print(f"{len(lifted)} trainable tensors were stored as Constant nodes; they are trained as parameters "
+              "(export writes them back as Constant nodes)")
+    if meta["shared_weights"]:
+        names = sorted(meta["shared_weights"])
+        print(f"{len(names)} trainable parameters are shared by several consumers (tied, trained as one): "
+              f"{names[:5]}{' ...' if len(names) > 5 else ''}")
     print(f"{args.output}: step graph for {len(meta['weights'])} trainable tensors "
           f"({meta['config']['precision']}, {meta['config']['optimizer']}, loss scale "
           f"{meta['config']['loss_scale']}); inputs {list(meta['inputs'])} + '{meta['label']['name']}' "
@@ -357,16 +432,11 @@ def _run_train_graph(args) -> int:
 
 
 def _run_train(args) -> int:
-    from .oracle import cuda_available
     from .train.loop import format_summary, train
-    if args.device == "cuda" and not cuda_available():
-        raise GraphmpError("--device cuda: onnxruntime has no CUDAExecutionProvider here "
-                           "(install onnxruntime-gpu, or use --device cpu)")
-    cuda = args.device == "cuda" or (args.device == "auto" and cuda_available())
-    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else None
     res = train(args.run_dir, args.data, epochs=args.epochs, batch_size=args.batch_size, eval_data=args.eval,
-                checkpoint_every=args.checkpoint_every, resume=not args.no_resume, providers=providers,
-                progress=not args.quiet, seed=args.seed, max_steps=args.max_steps)
+                checkpoint_every=args.checkpoint_every, resume=not args.no_resume, device=args.device,
+                progress=not args.quiet, seed=args.seed, max_steps=args.max_steps,
+                skip_bad_samples=args.skip_bad_samples)
     print(format_summary(res.summary))
     return 0
 
@@ -400,26 +470,38 @@ needs TensorRT 10 or 11 and an NVIDIA GPU: pip install 'graphmp[gpu]' (or pip in
 
 EPILOG_BENCH = """\
 what one run does:
-  converts the FP32 model with graphmp (or takes --converted), then for each backend,
-  precision and batch: builds the engine / creates the session, warms up, times steps
-  until --iterations and --min-time are both reached, and compares the outputs with ONNX
-  Runtime CPU FP32 on the same inputs. One table: median/p90/p99 latency, throughput,
-  speedup vs FP32 (strict) and vs TF32, device memory, engine size, build time, max
-  abs/rel error, argmax agreement.
+  builds the FP32 baseline (the model through graphmp's pipeline with no precision change,
+  so it has the same graph cleanups as the converted model: a speedup is precision alone),
+  converts with graphmp (or takes --converted), then for each backend, precision, batch and
+  session-option variant: creates the session / builds the engine, checks what provider
+  actually runs, warms up, times synchronized runs on the host clock (the same for every
+  backend) until --iterations and --min-time are both reached, and compares the outputs
+  with ONNX Runtime CPU FP32 on the same inputs.
 
 backends:  trt       TensorRT, strongly typed, one engine per precision and batch
                      (needs tensorrt and torch with CUDA for buffers and CUDA events)
-           ort-cuda  ONNX Runtime CUDA, inputs/outputs bound on the device (I/O binding)
+           ort-cuda  ONNX Runtime CUDA, inputs/outputs bound on the device (I/O binding);
+                     every precision also with prefer_nhwc=1 (variant nhwc) and, where the
+                     model's shapes are static, with CUDA graphs (variant cuda-graph); the
+                     fastest variant per precision is reported. A session that comes up on
+                     the CPU fails its row (never a CPU time under an ort-cuda label).
            ort-cpu   ONNX Runtime CPU (no TF32; FP16 ops mostly run in FP32 there)
-precisions: fp32 (TF32 off), tf32 (TF32 on), fp16 (graphmp mixed), occ (--compare-occ:
-  onnxconverter-common's convert_float_to_float16, keep_io_types=True).
-A backend that cannot run here is reported as skipped, with how to install it.
+precisions: fp32 (TF32 off), tf32 (TF32 on), fp16 (graphmp mixed); --compare adds
+  occ (onnxconverter-common, keep_io_types=True) and ort-opt (ONNX Runtime's transformers
+  optimizer: fused, then float16 with keep_io_types=True; needs sympy).
+
+accuracy, per output: err = max|a-b| / max|ref| (normalised: near-zero references do not
+  dominate), cosine similarity, SNR, argmax agreement (class scores). The TF32 error is
+  the yardstick (the tf32 row of the same backend, batch and variant; on the CPU, TF32
+  emulated): a row is in tolerance when it has no new inf/NaN and, per output,
+  err <= max(--max-error, --tf32-factor x TF32 err).
 
 examples:
   graphmp bench model.onnx                                    # all backends, batch 1
   graphmp bench model.onnx --backends ort-cuda,trt --batch 1,8,32 --json out.json --plot out.png
   graphmp bench model.onnx --backends ort-cpu --iterations 20 --min-time 0.5
-  graphmp bench model.onnx --converted model.mp.onnx --data inputs.npz --compare-occ
+  graphmp bench bert.onnx --backends ort-cuda --compare ort-opt,occ --batch 32 --shapes input_ids:32x128
+  graphmp bench model.onnx --converted model.mp.onnx --data inputs.npz
 """
 
 
@@ -473,32 +555,42 @@ def _add_bench(sub):
                    "converting MODEL")
     b.add_argument("--backends", default="trt,ort-cuda,ort-cpu", metavar="LIST",
                    help="any of trt,ort-cuda,ort-cpu (default: all three)")
-    b.add_argument("--precisions", metavar="LIST", help="any of fp32,tf32,fp16,occ (default: fp32,tf32,fp16)")
-    b.add_argument("--batch", type=_int_list, default=[1], metavar="N,N", help="batch sizes: the first "
-                   "(symbolic) input axis (default 1); a fixed-batch model runs its own batch")
-    b.add_argument("--data", metavar="NPZ", help="inputs (.npz, one array per input); the first axis is "
+    b.add_argument("--precisions", metavar="LIST", help="any of fp32,tf32,fp16,occ,ort-opt (default: "
+                   "fp32,tf32,fp16, plus those of --compare)")
+    b.add_argument("--compare", metavar="LIST", help="add other converters' FP16 models as rows: occ "
+                   "(onnxconverter-common, pip install 'graphmp[bench]'), ort-opt (ONNX Runtime's transformers "
+                   "optimizer, fused + float16; needs sympy)")
+    b.add_argument("--compare-occ", action="store_true", help="same as --compare occ")
+    b.add_argument("--model-type", metavar="TYPE", help="ort-opt: the optimizer's model type (bert, gpt2, vit, clip, ...; "
+                   "default: guessed from the graph)")
+    b.add_argument("--batch", type=_int_list, default=[1], metavar="N,N", help="batch sizes: the symbolic "
+                   "batch dims, also where --shapes gives them (default 1); a fixed-batch model runs its own batch")
+    b.add_argument("--data", metavar="NPZ", help="inputs (.npz, one array per input); the batch axis is "
                    "repeated/sliced to each batch. Default: generated (seeded) inputs")
     _add_shapes(b)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
-    b.add_argument("--iterations", type=int, default=50, help="at least this many timed steps (default 50)")
+    b.add_argument("--warmup", type=int, default=10, help="untimed runs first (default 10)")
+    b.add_argument("--iterations", type=int, default=50, help="at least this many timed runs (default 50)")
     b.add_argument("--min-time", type=float, default=1.0, metavar="S",
-                   help="and at least this many seconds of timed steps (default 1.0)")
-    b.add_argument("--rounds", type=int, default=5, help="time the precisions of a backend and batch in this "
+                   help="and at least this many seconds of timed runs (default 1.0)")
+    b.add_argument("--rounds", type=int, default=5, help="time the rows of a backend and batch in this "
                    "many interleaved rounds, so load changes hit them alike (default 5)")
-    b.add_argument("--compare-occ", action="store_true", help="add the model converted by onnxconverter-common "
-                   "(pip install 'graphmp[bench]') as precision 'occ'")
     b.add_argument("--cudnn-conv-algo-search", choices=["EXHAUSTIVE", "HEURISTIC", "DEFAULT"],
                    default="EXHAUSTIVE", help="ORT CUDA's cuDNN conv algorithm search (default EXHAUSTIVE)")
     b.add_argument("--timing-cache", metavar="FILE", help="TensorRT timing cache to read and update")
     b.add_argument("--workspace", type=int, metavar="MB", help="TensorRT builder workspace limit")
-    b.add_argument("--atol", type=float, default=1e-2)
-    b.add_argument("--rtol", type=float, default=1e-2)
+    b.add_argument("--max-error", type=float, default=1e-2, metavar="E", help="in tolerance: per output "
+                   "max|a-b|/max|ref| <= max(E, K x the TF32 error) (default 1e-2)")
+    b.add_argument("--tf32-factor", type=float, default=2.0, metavar="K", help="K above (default 2)")
+    b.add_argument("--atol", type=float, help="also require |a-b| <= atol + rtol*|ref| element-wise (default: "
+                   "not applied)")
+    b.add_argument("--rtol", type=float, help="see --atol")
     b.add_argument("--oracle-max-mb", type=float, default=50.0, metavar="MB", help="run the FP16-faithful "
                    "oracle (slow, CPU) on the mixed models when the FP32 weights are at most this (default 50; "
                    "0 = never)")
-    b.add_argument("--keep", metavar="DIR", help="keep the converted models and engines in DIR")
-    b.add_argument("--json", metavar="PATH", help="write the results as JSON (schema: graphmp.bench docstring)")
+    b.add_argument("--keep", metavar="DIR", help="keep the compared models and engines in DIR")
+    b.add_argument("--json", metavar="PATH", help="write the results as JSON (schema: graphmp.bench docstring; "
+                   "'timing' says how rows were timed)")
     b.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib: pip install 'graphmp[plot]')")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress line")
 
@@ -506,10 +598,12 @@ def _add_bench(sub):
 def _run_bench(args) -> int:
     from .bench import bench
     res = bench(args.model, converted=args.converted, backends=args.backends, precisions=args.precisions,
+                compare=args.compare, compare_occ=args.compare_occ, model_type=args.model_type,
                 batches=args.batch, data=args.data, shapes=args.shapes, seed=args.seed, warmup=args.warmup,
-                iterations=args.iterations, min_time=args.min_time, rounds=args.rounds, compare_occ=args.compare_occ,
+                iterations=args.iterations, min_time=args.min_time, rounds=args.rounds,
                 cudnn_conv_algo_search=args.cudnn_conv_algo_search, timing_cache=args.timing_cache,
-                workspace_mb=args.workspace, atol=args.atol, rtol=args.rtol, oracle_max_mb=args.oracle_max_mb,
+                workspace_mb=args.workspace, max_error=args.max_error, tf32_factor=args.tf32_factor,
+                atol=args.atol, rtol=args.rtol, oracle_max_mb=args.oracle_max_mb,
                 keep=args.keep, command=getattr(args, "command_line", None), progress=not args.quiet)
     if args.json:
         res.write_json(args.json)

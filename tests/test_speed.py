@@ -191,3 +191,14 @@ def test_budget_verified_on_weights_converted_while_writing(tmp_path):
     s = rep["search"]
     assert isinstance(s["verified"], dict), s["verified"]
     assert s["verified"]["normalized"] == pytest.approx(s["error"], rel=1e-6, abs=1e-12)
+
+
+def test_cli_starts_without_onnx_numpy_or_onnxruntime():
+    """`graphmp --help` and argument errors cost the interpreter, not onnx (0.3 s):
+    the heavy modules are imported by the commands that use them."""
+    import subprocess
+    import sys
+    code = ("import sys, graphmp, graphmp.cli; graphmp.cli._parser().parse_args(['convert', 'm.onnx', '-o', 'o.onnx']);"
+            "print(sorted(m for m in ('onnx', 'numpy', 'onnxruntime', 'onnx.reference') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
