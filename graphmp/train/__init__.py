@@ -1,7 +1,16 @@
 """graphmp.train: loss-scaled mixed-precision training graphs made of standard ONNX ops.
 
-    autodiff.py   add_backward(): gradient nodes for a forward graph (rules/: one rule per op,
-                  registered through emitter.py; docs/training_ops.md lists them)
     step.py       build_step(): forward + loss + backward + loss scaling + optimizer = one step graph
-    loop.py       train() / export(): run the step graph on ONNX Runtime, checkpoints, eval
+    builder.py    graph-building helpers shared by step/losses/optim/source (unique names, pruning, lifting)
+    source.py     the source model before the step: Constant weights lifted, tied/shared/frozen params reported
+    rnn.py        decompose_recurrent(): LSTM/GRU unrolled into primitive ops that have gradient rules
+    losses.py     add_loss(): cross-entropy (torch's semantics: class axis, ignore index, smoothing, weights) or MSE
+    optim.py      the update as ONNX nodes: finite check, clipping, lr schedule, grad accumulation, SGD/AdamW, loss scale
+    autodiff.py   add_backward(): gradient nodes for a forward graph, dtype by dtype
+    emitter.py    the node Emitter rules are written with, and the rule registry (RULES, ZERO_GRAD, NEEDS_OPSET)
+    rules/        one gradient rule per ONNX op, a module per family (docs/training_ops.md lists them)
+    loop.py       train() / export(): run the step graph on ONNX Runtime, checkpoints, eval, summary
+    data.py       training/eval data: .npz or batch iterables, batching, label and NaN/inf checks before use
+    device.py     which ONNX Runtime providers a run asks for, and a check that it got them
+    plot.py       write_loss_png(): run/loss.png, with matplotlib if importable, else numpy + zlib
 """
