@@ -186,6 +186,16 @@ def _check_op_names(ops, model, where, fused=False):
                                + (f" (did you mean {close[0]}?)" if close else "") + "; op names are case-sensitive")
 
 
+def _check_search_opset(model, where):
+    """--max-error's switchable model needs opset 9 (Where): say so before calibrating,
+    not after, when the model's ops cannot be upgraded that far."""
+    from .opset import blockers, default_opset
+    stop = blockers(model, 9) if default_opset(model) < 9 else []
+    if stop:
+        raise GraphmpError(f"{where}: --max-error needs the model at opset 9 or later, and {', '.join(stop)} cannot be "
+                           "upgraded; convert without --max-error, or re-export the model with opset >= 9")
+
+
 def convert(src, dst=None, **options) -> ConvertReport:
     """Convert an FP32 ONNX model (path or ModelProto) to mixed precision.
 
@@ -202,6 +212,8 @@ def convert(src, dst=None, **options) -> ConvertReport:
     model, path, base_dir = open_model(src, dst, by_reference=True)
     t_load = time.perf_counter() - t0
     _check_op_names(opts.fp32_ops, model, path, fused=opts.fuse is not None)
+    if opts.max_error is not None:
+        _check_search_opset(model, path)
     had_external = any(is_external(t) and not is_self_reference(t, path)
                        for g in iter_graphs(model.graph) for t in g.initializer)
     ctx = Ctx(model=model, options=opts, path=path, base_dir=base_dir)
