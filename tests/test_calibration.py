@@ -139,3 +139,36 @@ def test_generated_inputs_say_what_they_cannot_know(tmp_path):
     assert any("calibration ran on generated inputs" in w and "--calibration" in w for w in warnings)
     data = {"waveforms": np.zeros((1, 64), np.float32), "waveforms_lens": np.array([64], np.int64)}
     assert not any("generated" in w for w in graphmp.convert(m, None, calibration=[data]).to_dict()["warnings"])
+
+
+def test_probe_reduces_each_tensor_right_after_its_producer_and_never_returns_it_whole():
+    """Memory of calibration does not grow with the intermediates: every float tensor,
+    including one whose type only ONNX Runtime knows (a com.microsoft op shape inference
+    cannot type), is reduced to one scalar by nodes placed right after its producer; the
+    session runs in that order (PRIORITY_BASED), and no activation is a probe output."""
+    from graphmp.passes.calibrate import _ort_types, _Probe, calibrate
+    from graphmp.passes import prepare, types
+    from graphmp.context import Ctx, Options
+    w = _w(0, [8, 8], 0.5)
+    m = _model([oh.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+                oh.make_node("FusedMatMul", ["h", "w"], ["f"], name="fused", domain="com.microsoft", alpha=300.0),
+                oh.make_node("Relu", ["f"], ["y"], name="relu")],
+               [_vi("x", [2, 8])], [_vi("y", [2, 8])], [nph.from_array(w, "w")])
+    m.opset_import.append(oh.make_opsetid("com.microsoft", 1))
+    ctx = Ctx(model=m, options=Options(), path="m")
+    prepare.run(ctx)
+    types.run(ctx)
+    assert ctx.types["main"].get("f") is None  # unknown to onnx shape inference
+    proven = _ort_types(ctx.model, ctx.types, None)
+    assert proven["f"] == F32
+    probe = _Probe(ctx.model, dict(ctx.types, main={**ctx.types["main"], **proven}))
+    g = probe.model.graph
+    order = [n.output[0] for n in g.node]
+    for tensor in ("x", "h", "f", "y"):
+        first_use = next(i for i, n in enumerate(g.node) if tensor in n.input and n.op_type == "ReduceMax")
+        producer = order.index(tensor) if tensor in order else -1
+        assert first_use == producer + 1, (tensor, order)
+    assert all(len(o.type.tensor_type.shape.dim) == 0 for o in g.output[1:]), "only scalars come back"
+    cal = calibrate(ctx.model, ctx.types, data=[{"x": np.ones((2, 8), np.float32)}])
+    want = np.abs(run_ort(m, {"x": np.ones((2, 8), np.float32)})["y"]).max()
+    assert cal.proven_types == {"f": F32} and cal.ranges[("main", "f")] >= want > 10

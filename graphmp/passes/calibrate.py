@@ -11,10 +11,11 @@ Guarantees:
   goes on without ranges: ONNX Runtime cannot load the model at all (a custom op with
   no kernel here); then the report says "skipped" with ORT's reason and a warning.
 
-How: a copy of the model gets `ReduceMax(Abs(x))` per tensor (one scalar each, so
-memory does not grow with the number or size of intermediates). A scalar computed in a
-body reaches the main graph as an extra output of its If (the other branch outputs
--inf), Loop or Scan (one value per iteration). Without user data, the input shapes come
+How: a copy of the model gets max(ReduceMax(x), -ReduceMin(x)) per tensor (one scalar
+each and no temporaries, so memory does not grow with the number or size of the
+intermediates). A scalar computed in a body reaches the main graph as an extra output
+of its If (the other branch outputs -inf), Loop or Scan (one value per iteration).
+Without user data, the input shapes come
 from graphmp.inputs.find_shapes, whose successful trial runs are the batches.
 """
 from __future__ import annotations
@@ -57,39 +58,48 @@ class _Probe:
         self.types = types
         self.names = Names(self.model)
         self.scalars: dict = {}     # main-graph output name -> (graph key, tensor)
-        self.raw: dict = {}         # main-graph output name -> tensor of unknown type
         g = self.model.graph
-        main_types = types.get("main", {})
-        have = {o.name for o in g.output}
-        unknown = [o for n in g.node for o in n.output if o and o not in have and main_types.get(o) is None]
         for name, key in self._instrument(g, "main"):
             g.output.append(helper.make_tensor_value_info(name, FLOAT, []))
             self.scalars[name] = key
-        for o in dict.fromkeys(unknown):
-            g.output.append(onnx.ValueInfoProto(name=o))  # ONNX Runtime tells the type
-            self.raw[o] = o
 
-    def _max_abs(self, g, x) -> str:
-        a = self.names.fresh(f"{x}__absmax_abs")
-        m = self.names.fresh(f"{x}__absmax")
-        g.node.extend([helper.make_node("Abs", [x], [a], name=self.names.fresh("graphmp_cal_abs")),
-                       helper.make_node("ReduceMax", [a], [m], name=self.names.fresh("graphmp_cal_max"),
-                                        keepdims=0)])
-        return m
+    def _max_abs(self, x) -> tuple[list, str]:
+        """(nodes, scalar) for max |x| = max(max x, -min x): two scalar reductions and no
+        x-sized temporary (an Abs(x) would double the largest activation's memory)."""
+        hi, lo, neg, m = (self.names.fresh(f"{x}__absmax_{k}") for k in ("hi", "lo", "neg", "out"))
+        return [helper.make_node("ReduceMax", [x], [hi], name=self.names.fresh("graphmp_cal_max"), keepdims=0),
+                helper.make_node("ReduceMin", [x], [lo], name=self.names.fresh("graphmp_cal_min"), keepdims=0),
+                helper.make_node("Neg", [lo], [neg], name=self.names.fresh("graphmp_cal_neg")),
+                helper.make_node("Max", [hi, neg], [m], name=self.names.fresh("graphmp_cal_absmax"))], m
 
     def _instrument(self, g, key) -> list:
         """[(scalar name in g, (graph key, tensor))] for the float tensors of g and of
         its control-flow bodies (nested), with the body scalars surfaced through their
-        nodes' outputs."""
+        nodes' outputs. Each tensor's reductions come right after its producer in the node
+        list, so ONNX Runtime can free the tensor early instead of keeping every
+        intermediate alive until reductions placed at the end have run."""
         types = self.types.get(key, {})
         inits = {t.name for t in g.initializer}
-        own = [v.name for v in g.input if v.name not in inits and types.get(v.name) == FLOAT]
+        found, order = [], []
+
+        def probe(x):
+            nodes, m = self._max_abs(x)
+            order.extend(nodes)
+            found.append((m, (key, x)))
+        for v in g.input:
+            if v.name not in inits and types.get(v.name) == FLOAT:
+                probe(v.name)
         surfaced = []
         for n in list(g.node):
-            own.extend(o for o in n.output if o and types.get(o) == FLOAT)
+            order.append(n)
+            for o in n.output:
+                if o and types.get(o) == FLOAT:
+                    probe(o)
             if n.op_type in _CONTROL_FLOW and n.domain in ("", "ai.onnx"):
                 surfaced.extend(self._surface(g, n, key))
-        return [(self._max_abs(g, x), (key, x)) for x in own] + surfaced
+        del g.node[:]  # the references in `order` stay valid (protobuf detaches removed messages)
+        g.node.extend(order)
+        return found + surfaced
 
     def _surface(self, g, n, key) -> list:
         subs = [(a, sg) for a in n.attribute for sg in attr_graphs(a)]
@@ -138,10 +148,6 @@ class _Runner:
         ranges = self.cal.ranges
         for name, arr in zip(self.outputs, outs):
             key = self.probe.scalars.get(name)
-            if key is None and name in self.probe.raw and isinstance(arr, np.ndarray):
-                self.cal.proven_types.setdefault(name, onnx.helper.np_dtype_to_tensor_dtype(arr.dtype))
-                key = ("main", name)
-                arr = np.abs(arr[np.isfinite(arr)]) if arr.dtype == np.float32 else np.empty(0)
             if key is None or not isinstance(arr, np.ndarray) or arr.size == 0:
                 continue
             finite = arr[~np.isnan(arr)]
@@ -150,6 +156,32 @@ class _Runner:
                 ranges[key] = m
         self.shapes.append(", ".join(f"{k}:{dims_text(np.shape(feeds[k]))}" for k in self.inputs))
         self.cal.batches.append({k: feeds[k] for k in self.inputs})
+
+
+_ORT_TYPES = {f"tensor({k})": v for k, v in (
+    ("float", onnx.TensorProto.FLOAT), ("float16", onnx.TensorProto.FLOAT16), ("double", onnx.TensorProto.DOUBLE),
+    ("bfloat16", onnx.TensorProto.BFLOAT16), ("int8", onnx.TensorProto.INT8), ("uint8", onnx.TensorProto.UINT8),
+    ("int16", onnx.TensorProto.INT16), ("uint16", onnx.TensorProto.UINT16), ("int32", onnx.TensorProto.INT32),
+    ("uint32", onnx.TensorProto.UINT32), ("int64", onnx.TensorProto.INT64), ("uint64", onnx.TensorProto.UINT64),
+    ("bool", onnx.TensorProto.BOOL), ("string", onnx.TensorProto.STRING))}
+
+
+def _ort_types(model, types, base_dir) -> dict:
+    """Element types of the main-graph tensors that shape inference left unknown (old
+    opsets, custom ops), as ONNX Runtime infers them when it builds a session, with no
+    run: a float one then gets its range reduction in the graph like any other, instead
+    of being returned whole (a full activation per tensor, hundreds of MB at 720 px)."""
+    main = types.get("main", {})
+    g = model.graph
+    have = {o.name for o in g.output}
+    unknown = list(dict.fromkeys(o for n in g.node for o in n.output if o and o not in have and main.get(o) is None))
+    if not unknown:
+        return {}
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    m.graph.output.extend(onnx.ValueInfoProto(name=o) for o in unknown)
+    sess = ort_session(m, base_dir=base_dir, optimize=False)
+    return {o.name: _ORT_TYPES[o.type] for o in sess.get_outputs() if o.name in unknown and o.type in _ORT_TYPES}
 
 
 def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<model>",
@@ -169,9 +201,12 @@ def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<mo
         cal.report = {"source": "skipped: model over 1 GB (pass --calibration DATA to range-check it)",
                       "batches": 0}
         return cal
-    probe = _Probe(model, types)
     try:
-        sess = ort_session(probe.model, base_dir=base_dir, optimize=False)
+        cal.proven_types = _ort_types(model, types, base_dir)
+        if cal.proven_types:
+            types = dict(types, main={**types.get("main", {}), **cal.proven_types})
+        probe = _Probe(model, types)
+        sess = ort_session(probe.model, base_dir=base_dir, optimize=False, in_node_order=True)
     except Exception as e:  # noqa: BLE001 - ORT's load errors are many kinds
         reason = first_line(e)
         cal.report = {"source": f"skipped: ONNX Runtime cannot load the model here ({reason})", "batches": 0,
