@@ -110,6 +110,7 @@ class Ctx:
     search_refs: list = field(default_factory=list)  # FP32 outputs on those batches (search, verify)
     search_budget: object = None                    # graphmp.budget.Budget of --max-error (search, verify)
     info: dict = field(default_factory=dict)       # id(node) -> NodeInfo
+    weight_rounding: dict = field(default_factory=dict)  # (graph key, weight) -> FP16 rounding facts or None (classify)
     lowered: set = field(default_factory=set)      # id(node) of nodes running in low precision
     report: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)

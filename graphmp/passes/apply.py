@@ -23,11 +23,12 @@ from onnx import TensorProto, helper
 
 from ..context import FLOAT
 from ..io import CONVERT_MARK, is_external, tensor_array
-from ..kernels import to_fp16_noting
+from ..kernels import to_fp16, to_fp16_noting
 from . import PassResult
 SUFFIX = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}
 
 
+_UNKNOWN = object()  # no facts from classify for this weight
 BLOCK = 1 << 18  # elements per block: the temporaries of a block stay in cache
 FP16_MAX = 65504.0
 
@@ -93,20 +94,23 @@ def to_low(arr: np.ndarray, low: int, name=None):
 class LowConverter:
     """The convert_fn of io.save_model / io.materialize for conversions the apply pass
     deferred to the write: converts, and fills the tensor's entry of the rounding report
-    (entries marked "deferred" until then) with what rounding changed."""
+    when it is marked "deferred" (facts that classify did not compute already)."""
 
     def __init__(self, rounding: list):
         self.rounding = rounding
+        self.pending = {e["initializer"]: e for e in rounding if e.get("deferred")}
 
     def __call__(self, arr: np.ndarray, low: int, name=None):
+        entry = self.pending.pop(name, None)
+        if entry is None:
+            return low, (memoryview(to_fp16(arr)).cast("B") if low == TensorProto.FLOAT16
+                         else convert_noting(arr, low)[0])
         raw, facts = convert_noting(arr, low)
-        for i, e in enumerate(self.rounding):
-            if e.get("initializer") == name and e.get("deferred"):
-                if facts is None:
-                    del self.rounding[i]
-                else:
-                    self.rounding[i] = {"initializer": name, **facts}
-                break
+        i = self.rounding.index(entry)
+        if facts is None:
+            del self.rounding[i]
+        else:
+            self.rounding[i] = {"initializer": name, **facts}
         return low, raw
 
 
@@ -172,13 +176,22 @@ class Rewriter:
             owner.invalidate()
         else:
             dst = t
+        elements = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1
+        known = ctx.weight_rounding.get((owner.key, t.name), _UNKNOWN)  # classify's pass over the weight
+        if known is not _UNKNOWN and known is not None:
+            self.rounding.append({"initializer": dst.name, "elements": elements, **known})
         if is_external(t):
             dst.doc_string = CONVERT_MARK + str(self.low)  # io.save_model converts it while streaming
-            self.rounding.append({"initializer": dst.name, "deferred": True, "elements": int(np.prod(t.dims))})
+            if known is _UNKNOWN:
+                self.rounding.append({"initializer": dst.name, "deferred": True, "elements": elements})
             return dst.name
-        raw, facts = convert_noting(tensor_array(t, ctx.base_dir), self.low)
-        if facts is not None:
-            self.rounding.append({"initializer": dst.name, **facts})
+        arr = tensor_array(t, ctx.base_dir)
+        if known is _UNKNOWN:
+            raw, facts = convert_noting(arr, self.low)
+            if facts is not None:
+                self.rounding.append({"initializer": dst.name, **facts})
+        else:
+            raw = memoryview(to_fp16(arr)).cast("B")
         for f in ("float_data", "raw_data", "double_data"):
             dst.ClearField(f)
         dst.data_type = self.low

@@ -32,7 +32,7 @@ from .. import ops
 from ..context import FLOAT, NodeInfo
 from ..errors import GraphmpError
 from ..io import tensor_array
-from ..kernels import range_facts
+from ..kernels import weight_facts
 from . import PassResult
 
 FP16_MAX = 65504.0
@@ -91,7 +91,9 @@ def _schema_info(ctx, g, n, cls, raise_to_fp32=False) -> NodeInfo:
 
 
 class InitStats:
-    """Range facts about float initializers, computed once per tensor."""
+    """Range facts about float initializers, computed once per tensor, in the same pass
+    as what FP16 rounding changes in it (kept in ctx.weight_rounding for apply's report,
+    so the write only casts)."""
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -108,8 +110,10 @@ class InitStats:
                 self.cache[key] = None
             else:
                 a = tensor_array(t, self.ctx.base_dir)
-                maxabs, tiny = range_facts(a, FP16_TINY / 2)
-                self.cache[key] = (maxabs, tiny, int(a.size))
+                f = weight_facts(a, FP16_TINY / 2, fp16=self.ctx.low == TensorProto.FLOAT16)
+                if self.ctx.low == TensorProto.FLOAT16:
+                    self.ctx.weight_rounding[key] = f["rounding"]
+                self.cache[key] = (f["max_abs"], f["tiny"], int(a.size))
         return self.cache[key]
 
 
