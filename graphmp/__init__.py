@@ -3,6 +3,7 @@
     graphmp.convert("model.onnx", "model.mp.onnx")   # mixed precision, with a report
     graphmp.check("model.onnx", "model.mp.onnx")     # FP16-faithful accuracy check
     graphmp.bench("model.onnx").table()              # FP32 vs TF32 vs mixed FP16: speed and accuracy
+    graphmp.session("model.mp.onnx")                  # ONNX Runtime session with the options that suit it
 
 The public names are imported on first use (PEP 562), so `import graphmp` and
 `graphmp --help` start without loading onnx, ONNX Runtime or the benchmark code.
@@ -21,10 +22,11 @@ _LAZY = {
     "check": ".check", "CheckReport": ".check",
     "bench": ".bench", "BenchResult": ".bench",      # TensorRT/torch are imported only when used
     "build_engine": ".trt", "BuildResult": ".trt",
+    "session": ".session",
 }
 
-__all__ = ["convert", "check", "bench", "build_engine", "ConvertReport", "CheckReport", "BenchResult", "BuildResult",
-           "GraphmpError", "__version__"]
+__all__ = ["convert", "check", "bench", "build_engine", "session", "ConvertReport", "CheckReport", "BenchResult",
+           "BuildResult", "GraphmpError", "__version__"]
 
 
 def __getattr__(name):
@@ -45,7 +47,7 @@ class _Package(types.ModuleType):
     attribute of the same name; the public API there is the function, so keep that."""
 
     def __setattr__(self, name, value):
-        if name in ("convert", "check", "bench") and isinstance(value, types.ModuleType):
+        if name in ("convert", "check", "bench", "session") and isinstance(value, types.ModuleType):
             return
         super().__setattr__(name, value)
 

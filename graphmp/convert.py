@@ -245,8 +245,10 @@ def convert(src, dst=None, **options) -> ConvertReport:
     report["weight_bytes_after"] = model_weight_bytes(model) - _deferred_bytes(model)
     report["warnings"] = ctx.warnings
     meta = model.metadata_props.add()
+    from .session import cuda_options
     meta.key, meta.value = MARK_KEY, json.dumps({"version": __version__, "target": opts.target,
-                                                 "keep_io_types": opts.keep_io_types})
+                                                 "keep_io_types": opts.keep_io_types,
+                                                 "ort_cuda_options": cuda_options(ctx)})  # for graphmp.session()
 
     low = LowConverter(report.get("rounding", []))
     if dst is None:

@@ -202,3 +202,27 @@ def test_cli_starts_without_onnx_numpy_or_onnxruntime():
             "print(sorted(m for m in ('onnx', 'numpy', 'onnxruntime', 'onnx.reference') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_session_opens_a_converted_model_with_the_options_it_records(tmp_path):
+    """convert records prefer_nhwc for models with FP16 convolutions (what ORT CUDA runs
+    fastest); graphmp.session applies it on CUDA, opens a CPU session otherwise, and
+    device='cuda' without CUDA is a clear error, not a silent CPU session."""
+    from graphmp.oracle import cuda_available
+    from graphmp.session import recorded_options
+    conv = os.path.join(os.path.dirname(__file__), "..", "models", "real", "mnist_cntk.onnx")
+    out = tmp_path / "mnist.mp.onnx"
+    graphmp.convert(conv, str(out))
+    assert recorded_options(out) == {"prefer_nhwc": "1"}
+    mlp = tmp_path / "mlp.onnx"
+    onnx.save(_model(), mlp)
+    graphmp.convert(str(mlp), str(tmp_path / "mlp.mp.onnx"), calibration="off")
+    assert recorded_options(tmp_path / "mlp.mp.onnx") == {}  # no convolution: nothing to prefer
+    sess = graphmp.session(out)
+    x = np.random.default_rng(0).standard_normal((1, 1, 28, 28)).astype(np.float32)
+    ref = graphmp.session(conv, device="cpu").run(None, {"Input3": x})[0]
+    assert np.abs(sess.run(None, {"Input3": x})[0] - ref).max() <= 1e-2 * np.abs(ref).max()
+    assert sess.graphmp_device == ("CUDAExecutionProvider" if cuda_available() else "CPUExecutionProvider")
+    if not cuda_available():
+        with pytest.raises(GraphmpError, match="no CUDAExecutionProvider"):
+            graphmp.session(out, device="cuda")
