@@ -65,8 +65,8 @@ class Options:
                 except re.error as e:
                     raise GraphmpError(f"{flag} '{rx}' is not a valid regular expression ({e})") from None
         if o.fuse is not None or o.model_type is not None:
-            from .passes.fuse import check_options
-            check_options(o.fuse, o.model_type)
+            from .ops import check_fuse_options
+            check_fuse_options(o.fuse, o.model_type)
         if o.shapes is not None:
             from .inputs import parse_shapes
             o.shapes = parse_shapes(o.shapes)

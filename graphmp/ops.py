@@ -16,6 +16,8 @@ import functools
 
 from onnx import TensorProto, defs
 
+from .errors import GraphmpError
+
 FP16_OPS = frozenset({
     "Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum", "LSTM", "GRU", "RNN", "Attention",
 })
@@ -179,3 +181,27 @@ def allows(schema, type_str: str | None, elem_type: int) -> bool:
     if allowed is None:
         return type_str == want
     return want in allowed
+
+
+# --fuse / --model-type: checked by Options.from_kwargs (graphmp.context) before any work
+FUSERS = ("ort",)
+
+
+def ort_model_types() -> list:
+    """Model types ONNX Runtime's transformer optimizer knows (its MODEL_TYPES)."""
+    from onnxruntime.transformers.optimizer import MODEL_TYPES
+    return sorted(MODEL_TYPES)
+
+
+def check_fuse_options(fuse, model_type):
+    """GraphmpError for a --fuse / --model-type the pass cannot honour."""
+    if fuse is not None and fuse not in FUSERS:
+        raise GraphmpError(f"--fuse must be one of {', '.join(FUSERS)} (ONNX Runtime's transformer fusions), "
+                           f"not '{fuse}'")
+    if model_type is not None:
+        if fuse is None:
+            raise GraphmpError("--model-type only chooses the fusions of --fuse ort; add --fuse ort")
+        known = ort_model_types()
+        if model_type not in known:
+            raise GraphmpError(f"--model-type '{model_type}' is not a model type of ONNX Runtime's transformer "
+                               f"optimizer; known: {', '.join(known)}")

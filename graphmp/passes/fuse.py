@@ -33,31 +33,10 @@ from ..errors import GraphmpError
 from ..io import is_external, iter_graphs, materialize
 from . import PassResult
 
-FUSERS = ("ort",)
 # op types a fusion creates (com.microsoft ones, and ONNX LayerNormalization from
 # ReduceMean/Sub/Pow/Sqrt/Div chains)
 FUSED_OPS = tuple(ops.MS_OP_CLASS) + ("LayerNormalization",)
 NEEDS = "pip install 'graphmp[fuse]' (or: pip install sympy)"
-
-
-def ort_model_types() -> list:
-    """Model types ONNX Runtime's transformer optimizer knows (its MODEL_TYPES)."""
-    from onnxruntime.transformers.optimizer import MODEL_TYPES
-    return sorted(MODEL_TYPES)
-
-
-def check_options(fuse, model_type):
-    """GraphmpError for a --fuse / --model-type the pass cannot honour."""
-    if fuse is not None and fuse not in FUSERS:
-        raise GraphmpError(f"--fuse must be one of {', '.join(FUSERS)} (ONNX Runtime's transformer fusions), "
-                           f"not '{fuse}'")
-    if model_type is not None:
-        if fuse is None:
-            raise GraphmpError("--model-type only chooses the fusions of --fuse ort; add --fuse ort")
-        known = ort_model_types()
-        if model_type not in known:
-            raise GraphmpError(f"--model-type '{model_type}' is not a model type of ONNX Runtime's transformer "
-                               f"optimizer; known: {', '.join(known)}")
 
 
 def _nodes(model):
