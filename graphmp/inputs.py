@@ -368,13 +368,12 @@ _TRY_ORDER = ("other", "past", "length", "tokens", "batch", "spatial")
 
 
 def find_shapes(model: onnx.ModelProto, run, given=None, *, where: str = "<model>",
-                max_trials: int = MAX_TRIALS, seconds: float = TRIAL_SECONDS, probe_batch: bool = True) -> InputPlan:
+                max_trials: int = MAX_TRIALS, seconds: float = TRIAL_SECONDS) -> InputPlan:
     """Shapes that run. `run(feeds)` must raise when the model cannot run on `feeds`
     (ONNX Runtime does); `given` are --shapes. Raises a GraphmpError naming --shapes
     when no tried assignment runs. Every successful call of `run` is on a sensible
     batch (seed 0 at the found shapes, then seed 1 at batch 2), so a caller that
-    calibrates can keep what those runs computed. probe_batch=False skips the batch-2
-    run (the plan's batch dims are then unknown: batch_free is False)."""
+    calibrates can keep what those runs computed."""
     specs = input_specs(model)
     given = parse_shapes(given)
     check_shapes(specs, given, where)
@@ -466,7 +465,7 @@ def find_shapes(model: onnx.ModelProto, run, given=None, *, where: str = "<model
                            f"{shapes_for(base)}; ONNX Runtime said: {errors[0] if errors else '?'}). "
                            f"Give them with --shapes NAME:DIMS,... for {dyn}, or pass real data (--calibration/--data)")
     batch_vars = [v for v in vars_ if v.role == "batch"]
-    batch_free = probe_batch and bool(batch_vars) and attempt(dict(found, **{v.key: 2 for v in batch_vars}), seed=1)
+    batch_free = bool(batch_vars) and attempt(dict(found, **{v.key: 2 for v in batch_vars}), seed=1)
     n = len(tried)
     dims = tuple(w for v in batch_vars for w in v.where) if batch_free else ()
     return InputPlan(specs, shapes_for(found), f"found by {n} trial run{'s' if n > 1 else ''}", hints, dims, n)

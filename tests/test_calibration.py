@@ -92,8 +92,8 @@ def test_ranges_across_loop_iterations():
 def test_generated_inputs_report_batches_and_shapes():
     rep = graphmp.convert(os.path.join(ROOT, "models", "real", "ppocrv4_det.onnx"), None).to_dict()
     cal = rep["calibration"]
-    assert cal["source"] == "generated inputs" and cal["batches"] == 1  # ranges need one run; --max-error two
-    assert cal["shapes"] == ["x:1x3x224x224"] and cal["tensors_observed"] > 300
+    assert cal["source"] == "generated inputs" and cal["batches"] == 2
+    assert cal["shapes"] == ["x:1x3x224x224", "x:2x3x224x224"] and cal["tensors_observed"] > 300
     summary = graphmp.convert(os.path.join(ROOT, "models", "real", "ppocrv4_det.onnx"), None,
                               shapes="x:1x3x64x96").summary()
     assert "x:1x3x64x96" in summary and "tensors observed" in summary
