@@ -60,9 +60,10 @@ def _fields(buf, start: int, end: int):
         fstart = pos
         tag, pos = _varint(buf, pos)
         field, wt = tag >> 3, tag & 7
-        if wt == 0:
+        if wt == 0:  # the payload is the varint itself
+            pstart = pos
             _, pos = _varint(buf, pos)
-            yield field, wt, fstart, pos, pos
+            yield field, wt, fstart, pstart, pos
             continue
         if wt == 1:
             pstart, pos = pos, pos + 8
@@ -83,8 +84,8 @@ def _tensor_by_reference(buf, start: int, end: int, location: str):
     instead; None when it has no large raw_data (or is already external)."""
     raw = None
     for field, wt, fstart, pstart, pend in _fields(buf, start, end):
-        if field == _TENSOR_LOCATION:
-            return None
+        if field == _TENSOR_LOCATION and wt == 0 and _varint(buf, pstart)[0] == TensorProto.EXTERNAL:
+            return None  # already external data
         if field == _TENSOR_RAW and wt == _LEN:
             raw = (fstart, pstart, pend)
     if raw is None or raw[2] - raw[1] < BY_REFERENCE_MIN:

@@ -226,3 +226,16 @@ def test_session_opens_a_converted_model_with_the_options_it_records(tmp_path):
     if not cuda_available():
         with pytest.raises(GraphmpError, match="no CUDAExecutionProvider"):
             graphmp.session(out, device="cuda")
+
+
+def test_by_reference_ignores_an_explicit_default_data_location(tmp_path):
+    """Exporters may write data_location = DEFAULT explicitly (proto2): still inline data,
+    so still read by reference; EXTERNAL tensors keep their own file."""
+    m = _model()
+    for t in m.graph.initializer:
+        t.data_location = TensorProto.DEFAULT
+    path = tmp_path / "m.onnx"
+    onnx.save(m, path)
+    got = read_by_reference(str(path))
+    assert sorted(t.name for t in got.graph.initializer if is_self_reference(t, str(path))) == ["big", "table", "w2"]
+    np.testing.assert_array_equal(_tensors(got, str(tmp_path))["big"], _tensors(m, None)["big"])
