@@ -220,8 +220,9 @@ def check(ref, converted, data=None, *, shapes=None, max_error=1e-2, metric: str
     parse(max_error)
     if oracle not in ORACLES:
         raise GraphmpError(f"--oracle must be one of {', '.join(ORACLES)}, not '{oracle}'")
-    ref_graph = ref if isinstance(ref, onnx.ModelProto) else load_model(ref)  # clear errors for bad files
-    conv_graph = converted if isinstance(converted, onnx.ModelProto) else load_model(converted)
+    # the graphs (weights by reference, not parsed): clear errors for bad files, interface, inputs
+    ref_graph = ref if isinstance(ref, onnx.ModelProto) else load_model(ref, by_reference=True)
+    conv_graph = converted if isinstance(converted, onnx.ModelProto) else load_model(converted, by_reference=True)
     names = {"reference": str(ref) if not isinstance(ref, onnx.ModelProto) else "<model>",
              "converted": str(converted) if not isinstance(converted, onnx.ModelProto) else "<model>",
              "atol": atol, "rtol": rtol, "max_error": str(max_error), "metric": metric}
