@@ -274,6 +274,13 @@ what the step graph does (one ONNX Runtime run = one optimizer step):
   above --max-scale). A static --loss-scale never changes. Writes OUT/step.onnx,
   OUT/state.npz (initial state), OUT/infer.onnx and OUT/train.json.
 
+LSTM/GRU: no gradient rule; each LSTM/GRU node is unrolled into primitive ops over the
+  sequence length from the model, or from --shapes where the model leaves it dynamic (e.g.
+  --shapes x:1x50x40). The step graph then accepts only that sequence length (the batch may
+  vary): train on data of that length, or rebuild with other --shapes. A Resize, or a
+  Conv/pool with auto_pad SAME_*, over dynamic sizes is likewise built for the --shapes
+  sizes (their gradients need the lengths).
+
 examples:
   graphmp train-graph model.onnx -o run/ --loss cross-entropy --label-shape N --lr 1e-3
   graphmp train-graph model.onnx -o run/ --optimizer sgd --lr 0.1 --momentum 0.9 --loss-scale 1024
@@ -424,6 +431,12 @@ def _run_train_graph(args) -> int:
         names = sorted(meta["shared_weights"])
         print(f"{len(names)} trainable parameters are shared by several consumers (tied, trained as one): "
               f"{names[:5]}{' ...' if len(names) > 5 else ''}")
+    if meta["config"].get("pinned_shapes"):
+        print(f"built for the input sizes {meta['config']['pinned_shapes']} (Resize / SAME-padding gradients need "
+              "static lengths; the batch may vary): the step graph accepts only those sizes")
+    for r in meta["config"].get("recurrent") or []:
+        print(f"{r['op']} node '{r['node']}' unrolled over sequence length {r['sequence_length']} into "
+              f"{r['nodes']} nodes: the step graph accepts only that length (rebuild with --shapes for another)")
     print(f"{args.output}: step graph for {len(meta['weights'])} trainable tensors "
           f"({meta['config']['precision']}, {meta['config']['optimizer']}, loss scale "
           f"{meta['config']['loss_scale']}); inputs {list(meta['inputs'])} + '{meta['label']['name']}' "

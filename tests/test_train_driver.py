@@ -355,3 +355,81 @@ def test_nonfinite_mse_targets_are_data_errors_too(tmp_path):
     assert _no_step_ran(run)
     d["labels"][17, 2] = -5.0  # any finite target is fine for mse (no class check)
     assert train(run, d, batch_size=8, progress=False).summary["steps"] == 4
+
+
+# --- ONNX Runtime failures on user data; the precision eval runs in -----------------------------------
+
+def _mlp_free_features():
+    """The MLP with its feature axis declared symbolic ('F'): data of any width passes the data
+    checks, and ONNX Runtime's Gemm is what refuses a width other than 4."""
+    m = tm.mlp()
+    m.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "F"
+    return m
+
+
+def test_ort_failure_on_eval_data_is_one_line_naming_the_file(tmp_path, capsys):
+    onnx.save(_mlp_free_features(), str(tmp_path / "m.onnx"))
+    run_dir = str(tmp_path / "run")
+    build_step(str(tmp_path / "m.onnx"), run_dir, precision="fp32", optimizer="sgd", lr=0.1)
+    np.savez(tmp_path / "train.npz", **tm.blobs(64))
+    wide = tm.blobs(32, n_in=5)
+    np.savez(tmp_path / "wide.npz", **wide)
+    assert main(["train", run_dir, "--data", str(tmp_path / "train.npz"), "--eval", str(tmp_path / "wide.npz"),
+                 "--batch-size", "16", "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "wide.npz" in err and "ONNX Runtime could not run the inference model" in err, err
+    # the same data as training data: the step graph's failure, named the same way, before any checkpoint
+    assert main(["train", run_dir, "--data", str(tmp_path / "wide.npz"), "--batch-size", "16", "-q",
+                 "--no-resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "wide.npz" in err and "the training step graph" in err, err
+
+
+def test_eval_of_a_bf16_run_says_what_precision_it_ran_in(run, tmp_path):
+    """A --precision bf16 run is evaluated in BF16 (graphmp.convert target bf16) where ONNX
+    Runtime has the kernels; where it has not (the CPU provider), eval runs in FP32 and the
+    evaluator, the result and the summary line say so -- never FP32 passed off as BF16."""
+    from graphmp.train.loop import format_summary
+    data = tm.blobs(64)
+    meta = load_run(run)
+    state = latest_state(run)[0]
+    ref = Evaluator(run, meta, state, sample_batch=data).run(state, make_source(data, meta), 32)
+    assert ref["precision"] == "fp32"
+    _set_config(run, precision="bf16")
+    meta = load_run(run)
+    ev = Evaluator(run, meta, state, sample_batch=data)
+    res = ev.run(state, make_source(data, meta), 32)
+    assert res["precision"] == ev.precision
+    bf16_types = {i.type for i in ev.sess.get_inputs()} | {o.type for o in ev.sess.get_outputs()}
+    if ev.precision == "bf16":  # a provider with BF16 kernels: close to FP32, not equal
+        assert ev.note is None or "FP32" not in ev.note
+        assert abs(res["loss"] - ref["loss"]) < 0.05 * ref["loss"]
+    else:
+        assert "eval runs in FP32, not BF16 as trained" in ev.note
+        assert "implementation for" in ev.note  # refused for a missing BF16 kernel, i.e. BF16 was tried
+        assert res["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+        assert bf16_types == {"tensor(float)"}
+        line = format_summary({"steps": 0, "optimizer_steps": 0, "skipped_steps": 0, "final_scale": 1.0,
+                               "loss": None, "eval": res, "seconds_per_step": None, "precision": "bf16"})
+        assert "(evaluated in fp32)" in line
+
+
+def test_an_input_without_a_batch_axis_is_named(tmp_path, capsys):
+    """x [N, 4] beside state [2, 4] (a state without a batch axis): `graphmp train` names state and
+    what to do, instead of asking for batch size 2 (which would not help)."""
+    m = tm.mlp()
+    m.graph.input.append(helper.make_tensor_value_info("state", TensorProto.FLOAT, [2, 4]))
+    m.graph.node.insert(0, helper.make_node("ReduceSum", ["state"], ["hs"], keepdims=0))
+    m.graph.node.insert(1, helper.make_node("Add", ["x_in", "hs"], ["x"]))
+    m.graph.input[0].name = "x_in"
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    run_dir = str(tmp_path / "run")
+    build_step(str(tmp_path / "m.onnx"), run_dir, precision="fp32", optimizer="sgd", lr=0.1)
+    d = tm.blobs(16)
+    np.savez(tmp_path / "d.npz", x_in=d["x"], state=np.zeros((16, 4), np.float32), labels=d["labels"])
+    assert main(["train", run_dir, "--data", str(tmp_path / "d.npz"), "--batch-size", "2", "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "input 'state' [2, 4] has a fixed first axis" in err, err
+    assert "'x_in' has a free batch axis" in err and "initializer" in err, err
+    assert _no_step_ran(run_dir)

@@ -395,3 +395,36 @@ def test_train_graph_without_a_static_length_names_the_node(tmp_path, capsys):
     assert main(["train-graph", path, "-o", str(tmp_path / "run"), "--precision", "fp32"]) == 2
     err = capsys.readouterr().err
     assert "GRU node 'gru'" in err and "--shapes" in err and "Traceback" not in err
+
+
+# --- the fixed sequence length, said where users look -----------------------------------------------
+
+def test_train_graph_help_says_the_length_is_fixed(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train-graph", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "LSTM/GRU" in text and "unrolled" in text and "--shapes" in text
+    assert "accepts only that sequence length" in text
+
+
+def test_summary_names_the_unrolled_length_and_another_length_is_a_one_line_error(tmp_path, capsys):
+    """train-graph prints the unrolled node and length; `graphmp train` on data of another
+    length (the data checks pass: the model's T is symbolic) is a one-line error naming the
+    data file, the input and the length the step graph was built for -- not a traceback."""
+    path = str(tmp_path / "gru.onnx")
+    onnx.save(gru_classifier(seq_dim="T"), path)
+    run = str(tmp_path / "run")
+    assert main(["train-graph", path, "-o", run, "--precision", "fp32", "--shapes", "x:2x6x4"]) == 0
+    out = capsys.readouterr().out
+    assert "GRU node 'gru' unrolled over sequence length 6 into" in out and "accepts only that length" in out
+    np.savez(tmp_path / "long.npz", **_gru_data(32, 3, seq=8))
+    assert main(["train", run, "--data", str(tmp_path / "long.npz"), "--batch-size", "8", "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "long.npz" in err and "input 'x' has shape [8, 8, 4]" in err, err
+    assert "sequence length 6" in err and "--shapes" in err, err
+    assert not os.path.exists(os.path.join(run, "checkpoint.json"))  # nothing was trained or saved
+    # the right length trains
+    np.savez(tmp_path / "ok.npz", **_gru_data(32, 3))
+    assert main(["train", run, "--data", str(tmp_path / "ok.npz"), "--batch-size", "8", "-q"]) == 0

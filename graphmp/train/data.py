@@ -13,6 +13,9 @@
   SoftmaxCrossEntropyLoss wraps negative indices) and label >= classes is a raw runtime error.
 - nonfinite_samples(): which samples hold NaN/inf in a float array, so that bad input data
   is reported as such (not as "inf/NaN gradients" many steps later) or dropped on request.
+- check_batch_axes(): every input has its samples on the first axis (else: which one not).
+- run_failure(): an ONNX Runtime run that failed on data the checks let through, as one
+  GraphmpError naming the data, the mismatching input and what to do.
 
 Each check is one vectorised pass (np.isfinite / comparisons) over the arrays: a dataset is
 checked once when loaded, an iterable of batches batch by batch as it is assembled.
@@ -261,3 +264,49 @@ def in_order(src, batch_size):
     """Every sample once, in order (eval); batches dropped whole by the data check are left out."""
     it = src.sequential(batch_size) if isinstance(src, Dataset) else src.batches(0, batch_size, 0, False)
     return (b for b in it if b is not None)
+
+
+def check_batch_axes(run_dir, meta):
+    """Data holds samples on the first axis of every input: a model whose inputs disagree on
+    it (one free, another fixed -- e.g. an RNN's initial state [layers, batch, hidden] beside
+    a batch-first input) cannot be fed that way; say which input, instead of a batch size."""
+    free = [n for n, d in meta["inputs"].items() if d and not isinstance(d[0], int)]
+    fixed = {n: d for n, d in meta["inputs"].items() if d and isinstance(d[0], int)}
+    if free and fixed:
+        name, dims = next(iter(fixed.items()))
+        raise GraphmpError(f"{run_dir}: input '{name}' {dims} has a fixed first axis while '{free[0]}' has a free "
+                           f"batch axis; training data holds one sample per first-axis entry of every input, so "
+                           f"'{name}' (an initial state?) cannot be fed per sample. Re-export the model with "
+                           f"'{name}' as an initializer (or with its batch axis first), then rebuild the run.")
+
+
+def run_failure(err: Exception, sess, batch: dict, where: str, graph: str, meta: dict) -> GraphmpError:
+    """The one-line error for an ONNX Runtime run that failed on user data: names `where`
+    (the data file or batch), the first batch input whose shape or dtype differs from what
+    the session declares (the recurrent sequence length the step was built for, when that
+    is it), ONNX Runtime's first line, and what to do."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:240]
+    declared = {i.name: i for i in sess.get_inputs()}
+    culprit = ""
+    for name, value in batch.items():
+        d = declared.get(name)
+        if d is None:
+            continue
+        a = np.asarray(value)
+        want = d.shape
+        if len(want) != a.ndim or any(isinstance(w, int) and w != g for w, g in zip(want, a.shape)):
+            culprit = f"input '{name}' has shape {list(a.shape)}, {graph} takes {want}"
+            break
+        typ = d.type[len("tensor("):-1] if d.type.startswith("tensor(") else d.type
+        if typ != {"float32": "float", "float64": "double"}.get(a.dtype.name, a.dtype.name):
+            culprit = f"input '{name}' has dtype {a.dtype}, {graph} takes {typ}"
+            break
+    rec = (meta.get("config") or {}).get("recurrent")
+    todo = ("rebuild the run with `graphmp train-graph ... --shapes` at the shapes of your data, or make the "
+            "data match" if culprit else "check the data's shapes and dtypes against the model's inputs")
+    if rec and culprit:
+        lens = sorted({e["sequence_length"] for e in rec})
+        todo += (f" (its LSTM/GRU are unrolled at sequence length {', '.join(map(str, lens))}: the step graph "
+                 "accepts only that length)")
+    return GraphmpError(f"{where}: ONNX Runtime could not run {graph} on this data"
+                        f"{' (' + culprit + ')' if culprit else ''}: {first}. To fix: {todo}.")

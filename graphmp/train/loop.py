@@ -16,8 +16,12 @@ Guarantees:
   ends with the same weights as an uninterrupted one, bit for bit (deterministic kernels,
   i.e. the CPU provider; no Dropout).
 - Eval: the inference graph (the source model with the current weights and BN running
-  statistics, BN in inference mode), in the training precision; loss (and accuracy for
-  cross-entropy) computed in numpy from the model output.
+  statistics, BN in inference mode), in the training precision (a BF16 run where ONNX
+  Runtime lacks BF16 kernels: FP32, and the eval result, progress output and summary say
+  so); loss (and accuracy for cross-entropy) computed in numpy from the model output.
+- An ONNX Runtime run that fails on user data (a shape or dtype the data checks let through,
+  e.g. another sequence length than the step graph was unrolled for) is a one-line
+  GraphmpError naming the data file and input (run_failure), never a traceback.
 - export(): the source model with the trained tensors as its initializers (FP32), or that
   converted by graphmp.convert (precision="mixed").
 """
@@ -37,7 +41,7 @@ from ..errors import GraphmpError
 from ..io import check_writable, load_npz, save_model, save_npz, write_json
 from ..oracle import ort_session
 from ..progress import Progress
-from .data import DataCheck, Dataset, in_order, label_rule, make_source
+from .data import DataCheck, Dataset, check_batch_axes, in_order, label_rule, make_source, run_failure
 from .device import check_session, providers_for
 from .plot import write_loss_png
 from .step import NEXT, SCALE, STEP
@@ -140,8 +144,19 @@ class StepRunner:
             self.state = {n: state[n] for n in self.names}
         self.scale_const = None if meta["dynamic_scale"] else float(meta["config"]["loss_scale"])
 
+    where = "data"  # what the batches come from, for errors (train() sets the data file)
+
     def step(self, batch: dict) -> tuple[float, bool, float]:
-        """One optimizer step; returns (loss, applied, loss scale after the step)."""
+        """One optimizer step; returns (loss, applied, loss scale after the step). An ONNX
+        Runtime failure on the batch is a one-line GraphmpError naming self.where (run_failure)."""
+        try:
+            return self._step(batch)
+        except GraphmpError:
+            raise
+        except Exception as e:  # noqa: BLE001  (ORT raises several pybind types for a bad feed)
+            raise run_failure(e, self.sess, batch, self.where, "the training step graph", self.meta) from None
+
+    def _step(self, batch: dict) -> tuple[float, bool, float]:
         loss_name, fin = self.meta["loss_output"], self.meta["finite_output"]
         if not self.bound:
             feeds = dict(batch)
@@ -203,13 +218,25 @@ class Evaluator:
         if out not in {o.name for o in m.graph.output}:
             m.graph.output.append(onnx.helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, None))
         self.trained = meta["weights"] + meta["bn_stats"]
-        if meta["config"]["precision"] == "mixed":
+        self.precision = meta["config"]["precision"]  # what eval runs in: the training precision
+        fp32, bf16_note = m, None
+        if self.precision in ("mixed", "bf16"):
             from ..convert import convert
             cal = {n: np.asarray(state[n]) for n in self.trained}
             cal.update({k: v for k, v in (sample_batch or {}).items() if k in meta["inputs"]})
-            m = convert(m, calibration=[cal] if sample_batch else "off", keep_io_types=True).model
-        self.sess = ort_session(m, providers)
-        self.note = check_session(self.sess, providers, device, "eval")
+            kw = {"target": "bf16"} if self.precision == "bf16" else {}
+            m = convert(m, calibration=[cal] if sample_batch else "off", keep_io_types=True, **kw).model
+        try:
+            self.sess = ort_session(m, providers)
+        except Exception as e:  # noqa: BLE001  (only BF16 may lack kernels; mixed/FP32 errors are real)
+            if self.precision != "bf16":
+                raise
+            # the step graph ran in BF16 (train-graph checked), the inference graph need not
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            self.sess, self.precision = ort_session(fp32, providers), "fp32"
+            bf16_note = f"eval runs in FP32, not BF16 as trained: ONNX Runtime here has no BF16 kernel ({first})"
+        notes = [n for n in (bf16_note, check_session(self.sess, providers, device, "eval")) if n]
+        self.note = "; ".join(notes) or None
 
     def run(self, state: dict, source, batch_size: int) -> dict:
         lab = self.meta["label"]["name"]
@@ -217,10 +244,13 @@ class Evaluator:
         axis, ignore = int(cfg.get("class_axis", 1)), cfg.get("ignore_index")
         weights = {n: np.asarray(state[n], dtype=np.float32) for n in self.trained}
         total, correct, counted, n = 0.0, 0.0, 0, 0  # sums over the labelled elements
+        where = getattr(source, "where", "eval data")
         for b in in_order(source, batch_size):
             feeds = {k: v for k, v in b.items() if k in self.meta["inputs"]}
-            feeds.update(weights)
-            y = self.sess.run([self.meta["model_output"]], feeds)[0].astype(np.float64)
+            try:
+                y = self.sess.run([self.meta["model_output"]], dict(feeds, **weights))[0].astype(np.float64)
+            except Exception as e:  # noqa: BLE001  (ORT raises several pybind types for a bad feed)
+                raise run_failure(e, self.sess, feeds, where, "the inference model", self.meta) from None
             t = b[lab]
             n += y.shape[0]
             if cfg["loss"] == "cross-entropy":
@@ -240,7 +270,7 @@ class Evaluator:
             raise GraphmpError("eval data holds no samples")
         if not counted:
             raise GraphmpError(f"eval data: every label is the ignore index {ignore}; nothing to evaluate")
-        res = {"loss": total / counted, "samples": int(n)}
+        res = {"loss": total / counted, "samples": int(n), "precision": self.precision}
         if cfg["loss"] == "cross-entropy":
             res["accuracy"] = correct / counted
         return res
@@ -294,6 +324,7 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
     src = make_source(data, meta, check=DataCheck(rule, skip_bad_samples))
     where = getattr(src, "where", "data")
     fixed = [d[0] for d in meta["inputs"].values() if d and isinstance(d[0], int)]
+    check_batch_axes(run_dir, meta)
     if fixed and isinstance(src, Dataset) and fixed[0] != batch_size:
         raise GraphmpError(f"{run_dir}: the model's batch axis is fixed at {fixed[0]}; use batch_size {fixed[0]} "
                            "or re-export the model with a dynamic batch axis.")
@@ -317,6 +348,7 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
     run_eval = list(ck.get("eval_history", [])) if ck else []
 
     runner = StepRunner(run_dir, meta, state, providers, device_state, threads)
+    runner.where = where
     notes += [n for n in [check_session(runner.sess, providers, device, "training")] if n]
     evaluator = None
     history = {"loss": [], "scale": [], "applied": [], "eval": []}
@@ -426,7 +458,8 @@ def format_summary(s: dict) -> str:
     if s.get("eval"):
         e = s["eval"]
         lines.append(f"eval: loss {e['loss']:.4f}" + (f", accuracy {e['accuracy']:.4f}" if "accuracy" in e else "")
-                     + f" on {e['samples']} samples")
+                     + f" on {e['samples']} samples" + (f" (evaluated in {e['precision']})" if e.get("precision")
+                                                        and e["precision"] != s.get("precision") else ""))
     dropped = s.get("dropped_samples") or {}
     if any(dropped.values()):
         lines.append(f"dropped for NaN/inf (--skip-bad-samples): {dropped.get('train', 0)} train, "

@@ -46,7 +46,7 @@ from ..errors import GraphmpError
 from ..io import iter_graphs
 from ..opset import default_opset
 
-__all__ = ["decompose_recurrent"]
+__all__ = ["decompose_recurrent", "pin_inputs"]
 
 _DEFAULT_ACTS = {"LSTM": ("sigmoid", "tanh", "tanh"), "GRU": ("sigmoid", "tanh")}
 _DIRECTIONS = {"forward": 1, "reverse": 1, "bidirectional": 2}
@@ -85,15 +85,16 @@ def decompose_recurrent(model: onnx.ModelProto, *, shapes=None, where: str = "<m
     del model.graph.node[:]
     model.graph.node.extend(new_nodes)
     model.graph.initializer.extend(u.inits)
-    _pin_inputs(model, shapes)
+    pin_inputs(model, shapes)
     return model, report
 
 
-def _pin_inputs(model, shapes) -> None:
-    """Declare the --shapes sizes of the graph inputs' symbolic dims in the unrolled model,
+def pin_inputs(model, shapes) -> None:
+    """Declare the --shapes sizes of the graph inputs' symbolic dims in `model` (in place),
     except the batch dims (graphmp.inputs.batch_positions): the unrolled graph is only valid
-    at the sequence length those sizes gave, and ONNX Runtime then names the input and axis
-    of a batch of another length instead of failing inside the unrolled Split."""
+    at the sequence length those sizes gave (and a Resize gradient at the lengths it was
+    built for), and ONNX Runtime then names the input and axis of a batch of another length
+    instead of failing inside the unrolled Split."""
     from ..inputs import batch_positions, input_specs, parse_shapes
     given = parse_shapes(shapes)
     if not given:

@@ -178,3 +178,22 @@ def eval_export_warning(model, path: str) -> str | None:
 
 # a module parameter path as torch names initializers: `conv1.weight`, `layer1.0.conv1.weight`
 _PARAM_NAME = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+)+$")
+
+
+def subgraph_weights_note(model) -> str:
+    """'; N FP32 tensors ...' when the model keeps weight-like tensors (FP32 initializers or
+    Constants of rank >= 1) only inside If/Loop/Scan bodies, which train-graph does not
+    differentiate (it differentiates the main graph); '' otherwise."""
+    from ..io import iter_graphs
+    count, ops = 0, set()
+    for n in model.graph.node:
+        for g in (g for a in n.attribute for g in ([a.g] if a.HasField("g") else list(a.graphs))):
+            for sub in iter_graphs(g):
+                count += sum(t.data_type == TensorProto.FLOAT and len(t.dims) >= 1 for t in sub.initializer)
+                count += sum(c.op_type == "Constant" and (t := _constant_tensor(c)) is not None
+                             and t.data_type == TensorProto.FLOAT and len(t.dims) >= 1 for c in sub.node)
+            ops.add(n.op_type)
+    if not count:
+        return ""
+    return (f"; its {count} FP32 weight tensors sit inside {'/'.join(sorted(ops))} branches or bodies, which "
+            "train-graph does not differentiate (it trains the main graph): the model has no trainable path")

@@ -77,6 +77,21 @@ MIN_OPSET = 13
 FORMAT = 1
 
 PRECISIONS = ("mixed", "fp32", "bf16")
+# ops whose gradient rule needs the static lengths of its input's axes (graphmp/train/rules/resize.py,
+# auto_pad SAME_* of Conv/ConvTranspose/pools): with --shapes, the step graph's inputs are declared
+# at those sizes (the batch stays free)
+STATIC_LENGTH_OPS = ("Resize",)
+
+
+def _needs_static_lengths(node) -> bool:
+    if node.op_type in STATIC_LENGTH_OPS:
+        return True
+    pad = next((a.s for a in node.attribute if a.name == "auto_pad"), b"NOTSET")
+    if node.op_type == "ConvTranspose" and (pad != b"NOTSET" or any(a.name == "output_shape" for a in node.attribute)):
+        return True  # its pads follow from the input lengths (graphmp/train/rules/nn.py _transpose_pads)
+    return pad in (b"SAME_UPPER", b"SAME_LOWER")
+
+
 # files of a run folder that --force removes before writing the new run (train.json first)
 RUN_FILES = ("train.json", "checkpoint.json", "ckpt-*.npz", "summary.json", "loss.png", "step.onnx",
              "state.npz", "infer.onnx")
@@ -229,6 +244,9 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
                            "from the FP32 source model (precision='mixed' converts it for you).")
     raw = src  # as written (the opset upgrade may wrap a Softmax-11 in Flatten/Reshape)
     source.dynamic_negative_dims(src)
+    # ImageScaler/Crop/Affine (removed experimental ops) would stop the upgrade: standard ops first
+    from .legacy import rewrite_experimental
+    legacy_consts = set(rewrite_experimental(src, path))
     src = upgrade(src, _needed_opset(src), path)
     initializers_out_of_inputs(src)
     base = os.path.dirname(os.path.abspath(path))
@@ -257,6 +275,11 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
     fwd, unrolled = decompose_recurrent(fwd, shapes=shapes, where=path)
     if unrolled:
         cfg["recurrent"] = unrolled  # train.json: which LSTM/GRU nodes, sequence length, nodes added
+    elif shapes and any(_needs_static_lengths(n) for n in fwd.graph.node):
+        # Resize / SAME-padding gradients need the input lengths, which --shapes gives
+        from .rnn import pin_inputs
+        pin_inputs(fwd, shapes)
+        cfg["pinned_shapes"] = shapes if isinstance(shapes, str) else {k: list(v) for k, v in shapes.items()}
     out_vi = value_info(src, out_name)
     if out_vi is not None and out_vi.type.tensor_type.elem_type != TensorProto.FLOAT:
         raise GraphmpError(f"{path}: output '{out_name}' is not FP32; train from the FP32 model.")
@@ -274,13 +297,14 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
 
     deps = ancestors(fwd.graph, loss_t)
     rx = re.compile(trainable) if trainable else None
-    fixed = source.non_trainable_slots(fwd)
+    fixed = source.non_trainable_slots(fwd) | legacy_consts
     weights = [t.name for t in src.graph.initializer
                if t.data_type == TensorProto.FLOAT and t.name in deps and t.name not in running
                and t.name not in fixed and (rx.search(t.name) if rx else values[t.name].ndim >= 1)]
     if not weights:
         raise GraphmpError(f"{path}: no trainable FP32 initializer feeds output '{out_name}'"
-                           + (f" matching trainable='{trainable}'" if trainable else "") + ".")
+                           + (f" matching trainable='{trainable}'" if trainable else "")
+                           + source.subgraph_weights_note(src) + ".")
     bn_stats = [n for n in running if n in values]
     lift_to_inputs(fwd, weights + bn_stats)
     del fwd.graph.output[:]

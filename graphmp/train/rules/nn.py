@@ -22,10 +22,11 @@ def _spatial_attrs(em: Emitter, node, x: str, kernel: list[int]):
         return strides, dil, list(attr(node, "pads", [0] * (2 * sp)))
     if auto == "VALID":
         return strides, dil, [0] * (2 * sp)
-    shape = em.static_shape(x)
-    if shape is None:
-        raise GraphmpError(f"node '{node.name}' ({node.op_type}): auto_pad={auto} needs a static input "
-                           "shape to differentiate; give explicit pads or fix the input shape")
+    shape = em.dims(x)  # only the spatial lengths matter: the batch (and channels) may stay symbolic
+    if shape is None or not all(isinstance(v, int) for v in shape[2:]):
+        raise GraphmpError(f"node '{node.name}' ({node.op_type}): auto_pad={auto} needs static spatial input "
+                           "lengths to differentiate; pin the model's input sizes with --shapes (the step graph "
+                           "is then built for them, the batch stays free) or give explicit pads")
     begins, ends = [], []
     for i in range(sp):
         size = shape[2 + i]
@@ -99,20 +100,47 @@ def conv(em, node, g):
             em.reduce("ReduceSum", gy, [0] + list(range(2, 2 + sp)), keepdims=0) if b and em.needs(b) else None]
 
 
+def _transpose_pads(em: Emitter, node, x: str, kernel, strides, dil) -> list:
+    """ConvTranspose's pads [begins..., ends...], with output_shape / auto_pad resolved as ONNX
+    (and ONNX Runtime) do: total = stride*(in-1) + output_padding + (k-1)*d + 1 - out, clamped
+    at 0, split by auto_pad (SAME_UPPER: the smaller half first). Rows of Y beyond the natural
+    size (a negative total, or output_padding) depend on no element of X or W: the gradient
+    convolutions below never read them (dX: floor division of the strided Conv; dW: sliced
+    to the kernel)."""
+    sp = len(kernel)
+    auto = attr(node, "auto_pad", b"NOTSET")
+    auto = auto.decode() if isinstance(auto, bytes) else auto
+    out_shape = attr(node, "output_shape")
+    if out_shape is None and auto in ("NOTSET", ""):
+        return list(attr(node, "pads", [0] * (2 * sp)))
+    if out_shape is None and auto == "VALID":
+        return [0] * (2 * sp)
+    dims = em.dims(x)
+    if dims is None or not all(isinstance(v, int) for v in dims[2:]):
+        raise GraphmpError(f"node '{node.name}' (ConvTranspose): output_shape / auto_pad={auto} need static "
+                           "spatial input lengths to differentiate; pin the model's input sizes with --shapes")
+    adj = list(attr(node, "output_padding", [0] * sp))
+    outs = list(out_shape)[-sp:] if out_shape is not None else [n * s for n, s in zip(dims[2:], strides)]
+    begins, ends = [], []
+    for n, s, d, k, a, o in zip(dims[2:], strides, dil, kernel, adj, outs):
+        total = max(0, s * (n - 1) + a + (k - 1) * d + 1 - o)
+        small, big = total // 2, total - total // 2
+        begins.append(small if auto == "SAME_UPPER" else big)
+        ends.append(big if auto == "SAME_UPPER" else small)
+    return begins + ends
+
+
 @rule("ConvTranspose")
 def conv_transpose(em, node, g):
     """Y = convT(X, W) + B: dX = Conv(dY, W) (same strides, pads, dilations, group),
     dW = Conv of dY (batch as channels) with X as filters, dB = sum of dY."""
     x, w, b = _inputs(node, 3)
-    if attr(node, "output_shape") is not None or attr(node, "auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
-        raise GraphmpError(f"node '{node.name}' (ConvTranspose): output_shape / auto_pad are not "
-                           "differentiated; export with explicit pads and output_padding")
     wshape = _weight_shape(em, node, w)
     kernel = list(attr(node, "kernel_shape", wshape[2:]))
     sp = len(kernel)
     strides = list(attr(node, "strides", [1] * sp))
     dil = list(attr(node, "dilations", [1] * sp))
-    pads = list(attr(node, "pads", [0] * (2 * sp)))
+    pads = _transpose_pads(em, node, x, kernel, strides, dil)
     group = attr(node, "group", 1)
     gy = g[0]
     return [em.op("Conv", [gy, w], strides=strides, dilations=dil, pads=pads, group=group) if em.needs(x) else None,

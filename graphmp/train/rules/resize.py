@@ -129,7 +129,8 @@ def _plan(em: Emitter, node) -> dict[int, np.ndarray]:
             continue  # ONNX Runtime copies an axis with scale 1 (whatever the coordinate mode)
         if not isinstance(n, int):
             raise GraphmpError(f"{where}: axis {ax} of '{x}' is resized but its length is not static; "
-                               "fix the input shape")
+                               "pin the model's input sizes with --shapes (e.g. x:1x3x256x256): the step "
+                               "graph is then built for those sizes (the batch stays free)")
         if out is None:
             out = int(math.floor(n * factor + 1e-9)) if factor is not None else n
             scale = np.float32(factor)
