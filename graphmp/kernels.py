@@ -153,9 +153,3 @@ def to_fp16_noting(arr: np.ndarray) -> tuple[np.ndarray, dict]:
     facts = weight_facts(arr, FP16_TINY / 2)["rounding"]
     return to_fp16(arr), facts or {"changed": 0, "max_abs_change": 0.0, "max_rel_change": 0.0,
                                    "flushed_to_zero": 0, "overflowed": 0}
-
-
-def range_facts(arr: np.ndarray, tiny: float) -> tuple[float, int]:
-    """(largest finite |x|, count of nonzero |x| below `tiny`) of a float array."""
-    f = weight_facts(arr, tiny, fp16=False)
-    return f["max_abs"], f["tiny"]

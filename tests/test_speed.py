@@ -146,16 +146,18 @@ def test_fp16_conversion_matches_numpy_bit_for_bit(monkeypatch, with_nonfinite, 
     assert raw == want.tobytes() and noted["elements"] == a.size
 
 
-def test_range_facts_match_numpy(monkeypatch):
+def test_weight_range_facts_match_numpy(monkeypatch):
     monkeypatch.setattr(kernels, "BLOCK", 512)
     rng = np.random.default_rng(2)
     a = np.concatenate([rng.standard_normal(2000).astype(np.float32) * 1e-7, EDGES,
                         np.array([np.inf, np.nan, -1e5], np.float32)])
     finite = np.abs(a[np.isfinite(a)])
     tiny = 2.0 ** -25
-    assert kernels.range_facts(a, tiny) == (pytest.approx(float(finite.max())),
-                                            int(np.count_nonzero((finite > 0) & (finite < tiny))))
-    assert kernels.range_facts(a[:1000], tiny)[0] == pytest.approx(float(np.abs(a[:1000]).max()))
+    for fp16 in (False, True):  # with or without the rounding facts, the range facts agree
+        f = kernels.weight_facts(a, tiny, fp16=fp16)
+        assert (f["max_abs"], f["tiny"]) == (pytest.approx(float(finite.max())),
+                                             int(np.count_nonzero((finite > 0) & (finite < tiny))))
+        assert kernels.weight_facts(a[:1000], tiny, fp16=fp16)["max_abs"] == pytest.approx(float(np.abs(a[:1000]).max()))
 
 
 def test_conversion_by_reference_equals_conversion_in_memory(tmp_path):
