@@ -130,6 +130,16 @@ def _attend(q, k, v, heads, scale, bias_add, causal):
     return (p @ vh).transpose(0, 2, 1, 3).reshape(b, s, -1)
 
 
+def _additive(mask, attention_bias, b, big_l, mask_filter_value):
+    """What Attention and MultiHeadAttention add to the scores: the key mask as a bias
+    (-10000 at masked keys unless mask_filter_value says otherwise) plus attention_bias."""
+    filt = -10000.0 if mask_filter_value is None else mask_filter_value
+    add = _key_mask(mask, b, big_l, filt)
+    if attention_bias is not None:
+        add = _f(attention_bias) if add is None else add + _f(attention_bias)
+    return add
+
+
 def _key_mask(mask, b, big_l, filt):
     """A key padding mask (ORT: 1-D lengths [B] or raw 0/1 [B, L]) as an additive
     [B, 1, 1, L] bias of `filt` at masked keys."""
@@ -157,10 +167,7 @@ class Attention(_Fused):
             h = h + _f(bias)
         dq, dk, _ = qkv_hidden_sizes if qkv_hidden_sizes is not None else [h.shape[-1] // 3] * 3
         q, k, v = h[..., :dq], h[..., dq:dq + dk], h[..., dq + dk:]
-        filt = -10000.0 if mask_filter_value is None else mask_filter_value
-        add = _key_mask(mask_index, x.shape[0], x.shape[1], filt)
-        if attention_bias is not None:
-            add = _f(attention_bias) if add is None else add + _f(attention_bias)
+        add = _additive(mask_index, attention_bias, x.shape[0], x.shape[1], mask_filter_value)
         out = _attend(q, k, v, num_heads, scale, add, bool(unidirectional))
         return self._out(x.dtype, out)
 
@@ -177,10 +184,7 @@ class MultiHeadAttention(_Fused):
             bb = _f(bias)
             dq, dk = q.shape[-1], k.shape[-1]
             q, k, v = q + bb[:dq], k + bb[dq:dq + dk], v + bb[dq + dk:]
-        filt = -10000.0 if mask_filter_value is None else mask_filter_value
-        add = _key_mask(key_padding_mask, q.shape[0], k.shape[1], filt)
-        if attention_bias is not None:
-            add = _f(attention_bias) if add is None else add + _f(attention_bias)
+        add = _additive(key_padding_mask, attention_bias, q.shape[0], k.shape[1], mask_filter_value)
         out = _attend(q, k, v, num_heads, scale, add, bool(unidirectional))
         return self._out(query.dtype, out)
 

@@ -16,6 +16,7 @@ from graphmp.cli import main
 from graphmp.errors import GraphmpError
 from graphmp.train.step import build_step
 from models.train import tiny as tm
+from test_train_losses import _fd_grad
 
 N, C, K = 8, 3, 3  # batch, input channels, classes; image 2x2 upsampled to 4x4
 FEAT = C * 16
@@ -56,16 +57,6 @@ def _loss_ref(x, y, w, b):
     return -logp[np.arange(len(y)), y].mean()
 
 
-def _fd(f, w, eps=1e-6):
-    g = np.zeros_like(w)
-    for i in np.ndindex(w.shape):
-        wp, wm = w.copy(), w.copy()
-        wp[i] += eps
-        wm[i] -= eps
-        g[i] = (f(wp) - f(wm)) / (2 * eps)
-    return g
-
-
 def test_constant_weights_train_and_export_back_as_constants(tmp_path, capsys):
     m, w, b = constant_model()
     src = str(tmp_path / "m.onnx")
@@ -88,8 +79,8 @@ def test_constant_weights_train_and_export_back_as_constants(tmp_path, capsys):
     assert set(consts) == {"scales_node", "shape_node", "W_node", "b_node"} and not e.graph.initializer
     got = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in consts.values()}
     # one full-batch SGD step: w' = w - lr * dL/dw, dL/dw by finite differences of the float64 model
-    np.testing.assert_allclose(got["W"], w - lr * _fd(lambda wm: _loss_ref(x, y, wm, b), w), rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(got["b"], b - lr * _fd(lambda bm: _loss_ref(x, y, w, bm), b), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got["W"], w - lr * _fd_grad(lambda wm: _loss_ref(x, y, wm, b), w), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got["b"], b - lr * _fd_grad(lambda bm: _loss_ref(x, y, w, bm), b), rtol=1e-4, atol=1e-6)
     assert not np.allclose(got["W"], w)
     np.testing.assert_array_equal(got["scales"], [1, 1, 2, 2])
     # the exported model runs and computes with the trained weights
