@@ -69,14 +69,30 @@ def shapes_for(model, batch: int) -> dict:
     return out
 
 
+def whole_inputs(model) -> set:
+    """Inputs with a fixed first axis beside one with a free first axis (an RNN's initial
+    state): graphmp train takes them whole, given once (graphmp.train.data.whole_arrays)."""
+    def first(v):
+        d = v.type.tensor_type.shape.dim
+        return None if not d else (d[0].dim_value if d[0].HasField("dim_value") and d[0].dim_value > 0 else "free")
+    heads = {v.name: first(v) for v in data_inputs(model)}
+    if "free" not in heads.values():
+        return set()
+    return {n for n, h in heads.items() if h != "free" and h is not None}
+
+
 def random_inputs(model, shapes: dict, n: int | None, rng) -> dict:
     """Random values of every input: at `shapes` (n None), or n samples (first axis = samples,
     graphmp train's data layout; an input without a batch axis then does not fit it, and
     graphmp train says so)."""
     out = {}
+    whole = whole_inputs(model)
     for v in data_inputs(model):
         dt = ELEM.get(v.type.tensor_type.elem_type, np.float32)
         dims = shapes[v.name]
+        if n is not None and v.name in whole:  # no batch axis: given once, zeros (an initial state)
+            out[v.name] = np.zeros(dims, dt)
+            continue
         full = dims if n is None else ([n] + dims[1:] if dims else [])
         if np.issubdtype(dt, np.integer) or dt == np.bool_:
             out[v.name] = rng.integers(0, 2, full).astype(dt)
@@ -154,7 +170,22 @@ def run(cmd, timeout):
         return 124, f"timed out after {timeout} s", time.perf_counter() - t0
 
 
-def sweep_one(path, precision, plan, work, timeout) -> dict:
+def relabel(plan, error: str) -> bool:
+    """Take graphmp's advice `--label-shape D,..` (an output whose real shape is not its
+    declared one): labels of that shape per sample, flag added; False when there is none."""
+    m = re.search(r"--label-shape ([\d,]+)", error)
+    if not m or "--label-shape" in plan["retry_flags"]:
+        return False
+    shape = [int(d) for d in m.group(1).split(",")]
+    plan["retry_flags"] += ["--label-shape", m.group(1)]
+    with np.load(plan["data"]) as f:
+        data = dict(f)
+    data["labels"] = np.random.default_rng(1).random([plan["n"]] + shape).astype(np.float32)
+    np.savez(plan["data"], **data)
+    return True
+
+
+def sweep_one(path, precision, plan, work, timeout, again=True) -> dict:
     g = graphmp_cmd()
     run_dir = os.path.join(work, f"run-{precision}")
     shape_flag = ",".join(f"{k}:{'x'.join(map(str, v))}" for k, v in plan["shapes"].items())
@@ -167,6 +198,8 @@ def sweep_one(path, precision, plan, work, timeout) -> dict:
             plan["retry_flags"] += ["--model-output", m.group(1)]
         elif rc and "is unknown; give label_shape" in out:
             plan["retry_flags"] += ["--label-shape", plan["label_shape"]]
+        elif rc and relabel(plan, out):
+            pass
         else:
             break
         rc, out, secs = run(cmd + plan["retry_flags"], timeout)
@@ -178,6 +211,8 @@ def sweep_one(path, precision, plan, work, timeout) -> dict:
                              "--epochs", str(STEPS // BATCHES_PER_EPOCH), "--max-steps", str(STEPS), "-q",
                              "--device", "cpu", "--checkpoint-every", "0"], timeout)
     row["train_s"] = round(secs, 1)
+    if rc and again and relabel(plan, out):  # the output's real shape, from the first step
+        return sweep_one(path, precision, plan, work, timeout, again=False)
     if rc:
         row["trained"] = False
         row["error"] = one_line(out)
@@ -217,7 +252,7 @@ def sweep_model(path, timeout, batch_size=None) -> dict:
         data["labels"] = labels_for(loss, out_shape, n, rng)
         np.savez(os.path.join(work, "data.npz"), **data)
         lab = ["N"] + [str(d) for d in (out_shape[1:] if loss == "mse" else out_shape[1:2] if flags else [])]
-        plan = {"batch": batch, "shapes": shapes, "loss": loss, "flags": list(flags), "retry_flags": [],
+        plan = {"batch": batch, "shapes": shapes, "loss": loss, "flags": list(flags), "retry_flags": [], "n": n,
                 "data": os.path.join(work, "data.npz"), "label_shape": ",".join(lab)}
         entry.update(batch=batch, shapes=shapes, output_shape=out_shape, loss=loss)
         entry["rows"] = [sweep_one(path, p, plan, work, timeout) for p in ("fp32", "mixed")]

@@ -299,6 +299,10 @@ EPILOG_TRAIN = """\
 data: an .npz with one array per model input (named as the input) plus `labels`
 (class indices for cross-entropy, targets for mse); first axis = samples. Each epoch
 shuffles (numpy default_rng(seed + epoch)) and drops the last partial batch.
+An input with no batch axis (a scalar, or an RNN's initial state [layers, 1, hidden] beside
+a batch-first input) is given whole: one array of exactly its shape, fed with every batch
+(zeros for an initial state), or one per sample stacked on a new first axis (then
+--batch-size 1). Labels for an output with no batch axis are one per sample, likewise.
 Checked before the first step (train and --eval data): cross-entropy labels must lie in
 [0, classes) or equal the run's ignore index; NaN/inf in a float array is an error naming
 the array, the count and the first sample (--skip-bad-samples drops those samples instead).

@@ -413,23 +413,3 @@ def test_eval_of_a_bf16_run_says_what_precision_it_ran_in(run, tmp_path):
         line = format_summary({"steps": 0, "optimizer_steps": 0, "skipped_steps": 0, "final_scale": 1.0,
                                "loss": None, "eval": res, "seconds_per_step": None, "precision": "bf16"})
         assert "(evaluated in fp32)" in line
-
-
-def test_an_input_without_a_batch_axis_is_named(tmp_path, capsys):
-    """x [N, 4] beside state [2, 4] (a state without a batch axis): `graphmp train` names state and
-    what to do, instead of asking for batch size 2 (which would not help)."""
-    m = tm.mlp()
-    m.graph.input.append(helper.make_tensor_value_info("state", TensorProto.FLOAT, [2, 4]))
-    m.graph.node.insert(0, helper.make_node("ReduceSum", ["state"], ["hs"], keepdims=0))
-    m.graph.node.insert(1, helper.make_node("Add", ["x_in", "hs"], ["x"]))
-    m.graph.input[0].name = "x_in"
-    onnx.save(m, str(tmp_path / "m.onnx"))
-    run_dir = str(tmp_path / "run")
-    build_step(str(tmp_path / "m.onnx"), run_dir, precision="fp32", optimizer="sgd", lr=0.1)
-    d = tm.blobs(16)
-    np.savez(tmp_path / "d.npz", x_in=d["x"], state=np.zeros((16, 4), np.float32), labels=d["labels"])
-    assert main(["train", run_dir, "--data", str(tmp_path / "d.npz"), "--batch-size", "2", "-q"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "input 'state' [2, 4] has a fixed first axis" in err, err
-    assert "'x_in' has a free batch axis" in err and "initializer" in err, err
-    assert _no_step_ran(run_dir)

@@ -13,7 +13,9 @@
   SoftmaxCrossEntropyLoss wraps negative indices) and label >= classes is a raw runtime error.
 - nonfinite_samples(): which samples hold NaN/inf in a float array, so that bad input data
   is reported as such (not as "inf/NaN gradients" many steps later) or dropped on request.
-- check_batch_axes(): every input has its samples on the first axis (else: which one not).
+- whole_arrays(): inputs (and labels) without a batch axis -- scalars, an RNN's initial state
+  [layers, batch, hidden] beside a batch-first input, the labels of an output with no batch
+  axis -- which the data gives whole: once (fed with every batch) or once per sample.
 - run_failure(): an ONNX Runtime run that failed on data the checks let through, as one
   GraphmpError naming the data, the mismatching input and what to do.
 
@@ -23,12 +25,14 @@ checked once when loaded, an iterable of batches batch by batch as it is assembl
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import onnx
 
 from ..errors import GraphmpError
 from ..io import load_npz
+from .losses import MSE_RESHAPE
 
 
 def label_rule(run_dir, meta: dict) -> dict | None:
@@ -135,7 +139,8 @@ class DataCheck:
     def __init__(self, rule: dict | None, skip: bool = False):
         self.rule, self.skip, self.dropped = rule, bool(skip), 0
 
-    def __call__(self, arrays: dict, where: str, first_axis: str = "sample") -> dict:
+    def __call__(self, arrays: dict, where: str, first_axis: str = "sample", constants: dict | None = None) -> dict:
+        """arrays: first axis = samples; constants: arrays fed whole (only their labels checked)."""
         mask, found = nonfinite_samples(arrays)
         if mask is not None:
             if not self.skip:
@@ -143,7 +148,8 @@ class DataCheck:
             self.dropped += int(mask.sum())
             arrays = {k: v[~mask] for k, v in arrays.items()}
         if self.rule is not None:
-            check_labels(arrays[self.rule["name"]], self.rule, where, first_axis)
+            name = self.rule["name"]
+            check_labels(arrays[name] if name in arrays else constants[name], self.rule, where, first_axis)
         return arrays
 
 
@@ -157,8 +163,59 @@ def _expected(meta) -> dict:
     return exp
 
 
-def _conform(arrays: dict, meta: dict, where: str, batched: bool) -> dict:
-    """Check names, per-sample shapes and dtypes against the step graph; cast losslessly."""
+def whole_arrays(meta) -> dict:
+    """{step input name: why}: inputs (and labels) with no batch axis, which the model takes whole.
+
+    Those are scalars, and -- when some model input has a free first axis (the batch axis) --
+    inputs whose first axis is fixed (an RNN's initial state [layers, batch, hidden]) and labels
+    whose first axis is not that batch axis (a model whose output has no batch axis). When
+    every input's first axis is fixed, it is the (fixed) batch axis of all of them, as before."""
+    inputs = meta["inputs"]
+    batch = {d[0] for d in inputs.values() if d and not isinstance(d[0], int)}
+    free = next((n for n, d in inputs.items() if d and not isinstance(d[0], int)), None)
+    out = {}
+    for name, dims in list(inputs.items()) + [(meta["label"]["name"], meta["label"]["shape"])]:
+        if dims is not None and not dims:
+            out[name] = "a scalar"
+        elif free and dims and dims[0] not in batch:
+            out[name] = f"its first axis is {dims[0]}, not the batch axis '{batch_dim(inputs)}' of '{free}'"
+    return out
+
+
+def batch_dim(inputs: dict) -> str:
+    return next(str(d[0]) for d in inputs.values() if d and not isinstance(d[0], int))
+
+
+def _check_shape(name, a, dims, where, batched):
+    if dims is not None and a.ndim != len(dims):
+        raise GraphmpError(f"{where}: '{name}' has shape {a.shape}, the model wants {len(dims)} axes {dims} "
+                           f"(first axis = {'batch' if batched else 'samples'}).")
+    for i, d in enumerate(dims or []):
+        if i > 0 and isinstance(d, int) and a.shape[i] != d:
+            raise GraphmpError(f"{where}: '{name}' has shape {a.shape}; axis {i} must be {d} (model wants {dims}).")
+
+
+def _whole_form(name, a, dims, why, where, batched) -> str:
+    """'const' (the array is the model's input, fed with every batch) or 'stacked' (one per
+    sample on a new first axis; not in a batch dict); else a one-line error saying both."""
+    def fits(shape):
+        return len(shape) == len(dims) and all(not isinstance(d, int) or d == s for d, s in zip(dims, shape))
+    if fits(a.shape):
+        return "const"
+    if not batched and a.ndim == len(dims) + 1 and fits(a.shape[1:]):
+        return "stacked"
+    stacked = "" if batched else f", or one per sample stacked as [samples, {', '.join(map(str, dims))}] (then " \
+                                 f"each step takes one sample: batch size 1)"
+    raise GraphmpError(f"{where}: '{name}' has shape {list(a.shape)}, but the model takes it whole with no batch "
+                       f"axis ({why}): give one array of shape {dims} (fed with every batch){stacked}. For an "
+                       "initial state, zeros are the usual choice.")
+
+
+def _conform(arrays: dict, meta: dict, where: str, batched: bool) -> tuple[dict, dict]:
+    """Check names, per-sample shapes and dtypes against the step graph; cast losslessly.
+
+    Returns (arrays with a sample/batch first axis, {name: 'const' | 'stacked'} for the whole
+    arrays among them -- see whole_arrays; 'const' ones have no sample axis)."""
     exp = _expected(meta)
     missing = [n for n in exp if n not in arrays]
     if missing:
@@ -168,20 +225,20 @@ def _conform(arrays: dict, meta: dict, where: str, batched: bool) -> dict:
         raise GraphmpError(f"{where}: missing array(s) {missing}{what}. Expected one array per model input plus "
                            f"the labels: {list(exp)}; found {sorted(arrays)}"
                            + (f" (unused: {extra})" if extra else "") + ".")
-    out, n = {}, None
+    whole = whole_arrays(meta)
+    out, forms, n = {}, {}, None
     for name, (dims, dt) in exp.items():
         a = np.asarray(arrays[name])
-        if dims is not None and a.ndim != len(dims):
-            raise GraphmpError(f"{where}: '{name}' has shape {a.shape}, the model wants {len(dims)} axes {dims} "
-                               f"(first axis = {'batch' if batched else 'samples'}).")
-        for i, d in enumerate(dims or []):
-            if i > 0 and isinstance(d, int) and a.shape[i] != d:
-                raise GraphmpError(f"{where}: '{name}' has shape {a.shape}; axis {i} must be {d} (model wants {dims}).")
-        if n is None:
-            n = a.shape[0] if a.ndim else None
-        elif a.ndim and a.shape[0] != n:
-            raise GraphmpError(f"{where}: arrays disagree on the number of samples (first axis): '{name}' has "
-                               f"{a.shape[0]}, others {n}.")
+        if name in whole:
+            forms[name] = _whole_form(name, a, dims, whole[name], where, batched)
+        else:
+            _check_shape(name, a, dims, where, batched)
+        if forms.get(name) != "const" and a.ndim:
+            if n is None:
+                n = a.shape[0]
+            elif a.shape[0] != n:
+                raise GraphmpError(f"{where}: arrays disagree on the number of samples (first axis): '{name}' has "
+                                   f"{a.shape[0]}, others {n}.")
         if a.dtype != dt:
             if dt.kind == "i" and a.dtype.kind == "f" and not np.array_equal(a, np.round(a)):
                 raise GraphmpError(f"{where}: '{name}' must hold integer class indices, got non-integer floats.")
@@ -189,43 +246,70 @@ def _conform(arrays: dict, meta: dict, where: str, batched: bool) -> dict:
                 raise GraphmpError(f"{where}: '{name}' has dtype {a.dtype}; the model wants {dt}.")
             a = a.astype(dt)
         out[name] = a
-    return out
+    return out, forms
+
+
+def _split_constants(arrays: dict, forms: dict, where: str) -> tuple[dict, dict]:
+    """(per-sample arrays, constant arrays); a constant holding NaN/inf is an error (no sample
+    to drop: it is in every step)."""
+    consts = {k: arrays[k] for k, f in forms.items() if f == "const"}
+    for k, a in consts.items():
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            raise GraphmpError(f"{where}: '{k}' (fed whole with every batch) holds "
+                               f"{int(a.size - np.count_nonzero(np.isfinite(a)))} NaN/inf value(s). Fix the data.")
+    return {k: v for k, v in arrays.items() if k not in consts}, consts
 
 
 class Dataset:
     """Arrays with samples on the first axis, batched in a seeded order per epoch.
 
-    Checked once when loaded (check: a DataCheck; samples with NaN/inf dropped when it skips)."""
+    Checked once when loaded (check: a DataCheck; samples with NaN/inf dropped when it skips).
+    Whole arrays (whole_arrays): a constant one goes into every batch as it is; stacked ones
+    (one per sample) make every step one sample (.one_per_step), fed without the sample axis."""
 
     def __init__(self, data, meta, where, check: DataCheck):
         arrays = load_npz(os.fspath(data)) if isinstance(data, (str, os.PathLike)) else dict(data)
-        self.arrays = check(_conform(arrays, meta, where, batched=False), where)
+        arrays, forms = _conform(arrays, meta, where, batched=False)
+        per_sample, self.constants = _split_constants(arrays, forms, where)
+        if not per_sample:
+            raise GraphmpError(f"{where}: every array is fed whole; the data holds no samples to train on.")
+        self.arrays = check(per_sample, where, constants=self.constants)
+        self.stacked = [k for k, f in forms.items() if f == "stacked"]
+        self.one_per_step = bool(self.stacked)
         self.n = next(iter(self.arrays.values())).shape[0]
         self.where, self.check = where, check
 
     def num_batches(self, batch_size, drop_last):
         return self.n // batch_size if drop_last else -(-self.n // batch_size)
 
+    def _take(self, idx) -> dict:
+        b = {k: v[idx[0]] if k in self.stacked else v[idx] for k, v in self.arrays.items()}
+        b.update(self.constants)
+        return b
+
     def batches(self, epoch, batch_size, seed, drop_last, start=0):
         order = np.random.default_rng(seed + epoch).permutation(self.n)
         for i in range(start, self.num_batches(batch_size, drop_last)):
-            idx = order[i * batch_size:(i + 1) * batch_size]
-            yield {k: v[idx] for k, v in self.arrays.items()}
+            yield self._take(order[i * batch_size:(i + 1) * batch_size])
 
     def sequential(self, batch_size):
-        for i in range(0, self.n, batch_size):
-            yield {k: v[i:i + batch_size] for k, v in self.arrays.items()}
+        size = 1 if self.one_per_step else batch_size
+        for i in range(0, self.n, size):
+            yield self._take(np.arange(i, min(i + size, self.n)))
 
 
 class BatchIterable:
     """A re-iterable of batch dicts (the Python API). Each batch is checked as it comes (check:
     a DataCheck); a batch left without samples, or short of the model's fixed batch size,
-    after dropping bad samples is yielded as None (the caller skips it, counting its place)."""
+    after dropping bad samples is yielded as None (the caller skips it, counting its place).
+    Whole arrays (whole_arrays) are given in each batch at the model's shape."""
 
     def __init__(self, data, meta, check: DataCheck):
         self.data, self.meta, self.check = data, meta, check
         self.n = None
-        fixed = [d[0] for d in meta["inputs"].values() if d and isinstance(d[0], int)]
+        self.one_per_step = False
+        whole = whole_arrays(meta)
+        fixed = [d[0] for k, d in meta["inputs"].items() if d and isinstance(d[0], int) and k not in whole]
         self.fixed = fixed[0] if fixed else None
         try:
             self.nb = len(data)
@@ -239,14 +323,14 @@ class BatchIterable:
         for i, b in enumerate(self.data):
             if i >= start:
                 where = f"batch {i} of epoch {epoch}"
-                b = _conform(b, self.meta, where, batched=True)
+                b, consts = _split_constants(*_conform(b, self.meta, where, batched=True), where)
                 k = len(next(iter(b.values())))
-                b = self.check(b, where, "sample of this batch")
+                b = self.check(b, where, "sample of this batch", consts)
                 n = len(next(iter(b.values())))
                 if n == 0 or (n < k and self.fixed is not None):
                     self.check.dropped += n
                     b = None
-                yield b
+                yield None if b is None else dict(b, **consts)
 
 
 def make_source(data, meta, what="data", check: DataCheck | None = None):
@@ -266,18 +350,14 @@ def in_order(src, batch_size):
     return (b for b in it if b is not None)
 
 
-def check_batch_axes(run_dir, meta):
-    """Data holds samples on the first axis of every input: a model whose inputs disagree on
-    it (one free, another fixed -- e.g. an RNN's initial state [layers, batch, hidden] beside
-    a batch-first input) cannot be fed that way; say which input, instead of a batch size."""
-    free = [n for n, d in meta["inputs"].items() if d and not isinstance(d[0], int)]
-    fixed = {n: d for n, d in meta["inputs"].items() if d and isinstance(d[0], int)}
-    if free and fixed:
-        name, dims = next(iter(fixed.items()))
-        raise GraphmpError(f"{run_dir}: input '{name}' {dims} has a fixed first axis while '{free[0]}' has a free "
-                           f"batch axis; training data holds one sample per first-axis entry of every input, so "
-                           f"'{name}' (an initial state?) cannot be fed per sample. Re-export the model with "
-                           f"'{name}' as an initializer (or with its batch axis first), then rebuild the run.")
+def mse_mismatch(where: str, label: str, got, meta: dict, out_shape=None) -> str:
+    """The message for mse labels whose element count differs from the model output's."""
+    real = f"computes {list(out_shape)}" if out_shape is not None else "computes another size"
+    fix = ",".join(map(str, out_shape)) if out_shape is not None else "<the output's real shape>"
+    return (f"{where}: '{label}' has shape {list(got)} in this step, but the model output '{meta['model_output']}' "
+            f"{real}, not its declared shape (labels {meta['label']['shape']}); mse needs one target per output "
+            f"element. Rebuild the run with `graphmp train-graph ... --label-shape {fix}` and give labels of "
+            "that shape.")
 
 
 def run_failure(err: Exception, sess, batch: dict, where: str, graph: str, meta: dict) -> GraphmpError:
@@ -286,6 +366,11 @@ def run_failure(err: Exception, sess, batch: dict, where: str, graph: str, meta:
     the session declares (the recurrent sequence length the step was built for, when that
     is it), ONNX Runtime's first line, and what to do."""
     first = (str(err).strip().splitlines() or [type(err).__name__])[0][:240]
+    if MSE_RESHAPE in str(err):  # the targets do not fit the output (losses.add_loss)
+        lab = meta["label"]["name"]
+        want = re.search(r"requested shape:\s*\{([-\d,\s]*)\}", str(err))
+        out = [int(x) for x in want.group(1).split(",") if x.strip()] if want else None
+        return GraphmpError(mse_mismatch(where, lab, np.shape(batch.get(lab)), meta, out))
     declared = {i.name: i for i in sess.get_inputs()}
     culprit = ""
     for name, value in batch.items():

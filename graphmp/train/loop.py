@@ -41,7 +41,7 @@ from ..errors import GraphmpError
 from ..io import check_writable, load_npz, save_model, save_npz, write_json
 from ..oracle import ort_session
 from ..progress import Progress
-from .data import DataCheck, Dataset, check_batch_axes, in_order, label_rule, make_source, run_failure
+from .data import DataCheck, Dataset, in_order, label_rule, make_source, mse_mismatch, run_failure, whole_arrays
 from .device import check_session, providers_for
 from .plot import write_loss_png
 from .step import NEXT, SCALE, STEP
@@ -122,7 +122,7 @@ class StepRunner:
         self.meta = meta
         self.names = [s["input"] for s in meta["state"]]
         so = ort.SessionOptions()
-        so.log_severity_level = 3
+        so.log_severity_level = 4  # a failed run becomes one GraphmpError line (run_failure), not a log dump
         if threads:
             so.intra_op_num_threads = threads
         self.sess = ort.InferenceSession(os.path.join(run_dir, meta["step_model"]), so,
@@ -245,6 +245,7 @@ class Evaluator:
         weights = {n: np.asarray(state[n], dtype=np.float32) for n in self.trained}
         total, correct, counted, n = 0.0, 0.0, 0, 0  # sums over the labelled elements
         where = getattr(source, "where", "eval data")
+        label_whole = lab in whole_arrays(self.meta)  # one sample's labels, no batch axis
         for b in in_order(source, batch_size):
             feeds = {k: v for k, v in b.items() if k in self.meta["inputs"]}
             try:
@@ -252,7 +253,7 @@ class Evaluator:
             except Exception as e:  # noqa: BLE001  (ORT raises several pybind types for a bad feed)
                 raise run_failure(e, self.sess, feeds, where, "the inference model", self.meta) from None
             t = b[lab]
-            n += y.shape[0]
+            n += 1 if label_whole else t.shape[0]  # samples, not output rows
             if cfg["loss"] == "cross-entropy":
                 t = t.astype(np.int64)
                 keep = np.ones(t.shape, bool) if ignore is None else t != ignore
@@ -264,7 +265,9 @@ class Evaluator:
                 correct += float((z.argmax(-1) == t)[keep].sum())
                 counted += int(keep.sum())
             else:
-                total += float(((y - t) ** 2).sum())
+                if t.size != y.size:  # as the step graph's loss: one target per output element
+                    raise GraphmpError(mse_mismatch(where, lab, t.shape, self.meta, list(y.shape)))
+                total += float(((y - t.reshape(y.shape)) ** 2).sum())
                 counted += int(y.size)
         if not n:
             raise GraphmpError("eval data holds no samples")
@@ -288,6 +291,22 @@ def evaluate(run_dir, data, batch_size: int = 256, providers=None, state: dict |
 
 
 # --- train ---------------------------------------------------------------------------------------
+
+def _check_batch_size(run_dir, meta, src, batch_size: int) -> None:
+    """A batch size the model and the data allow: the model's fixed batch axis, or 1 when the
+    data gives some array once per sample with no batch axis (the model takes one sample)."""
+    if not isinstance(src, Dataset):
+        return
+    if src.one_per_step and batch_size != 1:
+        name = src.stacked[0]
+        raise GraphmpError(f"{src.where}: '{name}' is given once per sample, and the model takes it whole with no "
+                           f"batch axis ({whole_arrays(meta)[name]}), so each step is one sample: use batch size 1.")
+    whole = whole_arrays(meta)
+    fixed = [d[0] for k, d in meta["inputs"].items() if d and isinstance(d[0], int) and k not in whole]
+    if fixed and fixed[0] != batch_size:
+        raise GraphmpError(f"{run_dir}: the model's batch axis is fixed at {fixed[0]}; use batch_size {fixed[0]} "
+                           "or re-export the model with a dynamic batch axis.")
+
 
 @dataclass
 class TrainResult:
@@ -323,11 +342,7 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
     rule = label_rule(run_dir, meta)
     src = make_source(data, meta, check=DataCheck(rule, skip_bad_samples))
     where = getattr(src, "where", "data")
-    fixed = [d[0] for d in meta["inputs"].values() if d and isinstance(d[0], int)]
-    check_batch_axes(run_dir, meta)
-    if fixed and isinstance(src, Dataset) and fixed[0] != batch_size:
-        raise GraphmpError(f"{run_dir}: the model's batch axis is fixed at {fixed[0]}; use batch_size {fixed[0]} "
-                           "or re-export the model with a dynamic batch axis.")
+    _check_batch_size(run_dir, meta, src, batch_size)
     nb = src.num_batches(batch_size, drop_last)
     if isinstance(src, Dataset) and nb == 0:
         raise GraphmpError(f"{where}: {src.n} samples, fewer than one batch of {batch_size}; lower batch_size.")

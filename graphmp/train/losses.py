@@ -27,6 +27,7 @@ from ..errors import GraphmpError
 from .builder import Builder
 
 LOSSES = ("cross-entropy", "mse")
+MSE_RESHAPE = "mse_labels_as_output"  # the node giving the targets the output's shape
 LOSS = "loss"
 
 
@@ -119,7 +120,13 @@ def add_loss(model, b: Builder, cfg: dict, out_dims, label_dims, label_elem) -> 
     output, label_name = cfg["output"], cfg["label_name"]
     model.graph.input.append(helper.make_tensor_value_info(label_name, label_elem, label_dims))
     if cfg["loss"] != "cross-entropy":
-        d = b.op("Sub", [output, label_name])
+        # the targets take the output's shape: an element count that differs fails the run (the
+        # node's name lets data.run_failure say so) instead of broadcasting -- [N] against [N, 1]
+        # would silently train on N*N differences
+        target = b.name("labels_as_output")
+        b.g.node.append(helper.make_node("Reshape", [label_name, b.op("Shape", [output])], [target],
+                                         name=b.name(MSE_RESHAPE)))
+        d = b.op("Sub", [output, target])
         return b.op("ReduceMean", [b.op("Mul", [d, d])], out=LOSS, keepdims=0)
     rank = None if out_dims is None else len(out_dims)
     a = class_axis(cfg, rank, cfg["output"])
@@ -169,3 +176,21 @@ def _smoothed(b: Builder, cfg, scores, nll, weights, eps) -> str:
                    to=TensorProto.FLOAT)
     coef = b.op("Div", [b.const(eps), classes])
     return b.op("Add", [b.op("Mul", [nll, b.const(1.0 - eps)]), b.op("Mul", [smooth, coef])], out=LOSS)
+
+
+def label_mismatch(err: Exception, path: str, cfg: dict, src, feeds: dict, base_dir=None) -> Exception:
+    """The error for a build whose mse targets do not fit the output (the Reshape of add_loss
+    failed in the calibration run): the output's real shape, measured by running the model on
+    `feeds`, and the --label-shape that fits it. Any other error is returned unchanged."""
+    if cfg["loss"] == "cross-entropy" or MSE_RESHAPE not in str(err):
+        return err
+    from ..oracle import runner
+    try:
+        got = list(runner(src, base_dir=base_dir)(feeds)[cfg["output"]].shape)
+    except Exception:  # noqa: BLE001 - the shape is advice; without it the message says what to measure
+        got = None
+    real = f"computes {got}" if got is not None else "computes another shape"
+    fix = ",".join(map(str, got)) if got is not None else "<the output's real shape>"
+    return GraphmpError(f"{path}: mse needs one target per element of output '{cfg['output']}', but the model "
+                        f"{real} where its declared shape gives labels {cfg['label_shape']}. Pass the real shape: "
+                        f"--label-shape {fix} (label_shape=...), and give labels of that shape.")

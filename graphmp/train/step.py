@@ -321,8 +321,12 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
         if cal is None:
             cal = [_calibration_batch(src, base, shapes, path, label_name, label_dims, label_elem,
                                       {w: values[w] for w in weights + bn_stats})]
-        rep = convert(fwd, calibration=cal, keep_io_types=True,
-                      **({"target": "bf16"} if cfg["precision"] == "bf16" else {}))
+        try:
+            rep = convert(fwd, calibration=cal, keep_io_types=True,
+                          **({"target": "bf16"} if cfg["precision"] == "bf16" else {}))
+        except GraphmpError as e:  # mse labels that do not fit the output: say which shape does
+            first = cal[0] if isinstance(cal, list) and cal and isinstance(cal[0], dict) else {}
+            raise losses.label_mismatch(e, path, cfg, src, first, base) from None
         fwd, convert_report = rep.model, rep.to_dict()
 
     # --- backward, loss scaling, optimizer ----------------------------------------------
