@@ -153,8 +153,10 @@ class Emitter:
     def rank(self, x: str) -> int:
         d = self.dims(x)
         if d is None:
-            raise GraphmpError(f"tensor '{x}': unknown rank; the gradient rule needs it (declare the "
-                               "model's input shapes, or run onnx shape inference)")
+            raise GraphmpError(f"tensor '{x}': unknown rank (onnx shape inference loses it, e.g. after a "
+                               "Reshape to a computed shape) and the gradient rule needs it; give the model's "
+                               "dynamic input dims with --shapes NAME:DIMS (e.g. x:2x3x224x224) so train-graph "
+                               "can measure it in one ONNX Runtime run")
         return len(d)
 
     def static_shape(self, x: str) -> list[int] | None:

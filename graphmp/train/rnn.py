@@ -40,11 +40,12 @@ import copy
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from ..errors import GraphmpError
 from ..io import iter_graphs
 from ..opset import default_opset
+from .measure import measured_dims
 
 __all__ = ["decompose_recurrent", "pin_inputs"]
 
@@ -143,30 +144,8 @@ def _pinned_dims(model, shapes, nodes, where) -> dict:
                                     for d in tt.shape.dim])
     open_ = [n.input[0] for n in nodes if not all(isinstance(d, int) for d in out.get(n.input[0]) or [None])]
     if open_:
-        out.update(_measured_dims(model, specs, given, open_))
+        out.update(measured_dims(model, specs, given, open_))
     return out
-
-
-def _measured_dims(model, specs, given, tensors) -> dict:
-    """{tensor: shape} from one ONNX Runtime run with generated inputs of the pinned shapes;
-    {} when some input shape is still open or the run fails (the caller then refuses)."""
-    from ..inputs import generate, value_hints
-    from ..oracle import runner
-    shapes = {}
-    for s in specs:
-        shape = given.get(s.name, s.dims)
-        if not all(isinstance(d, int) for d in shape):
-            return {}
-        shapes[s.name] = tuple(shape)
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    del m.graph.output[:]
-    m.graph.output.extend(helper.make_tensor_value_info(t, TensorProto.FLOAT, None) for t in dict.fromkeys(tensors))
-    try:
-        got = runner(m)(generate(specs, shapes, 0, value_hints(model)))
-    except Exception:  # noqa: BLE001 - no measurement; the node is refused with its open shape
-        return {}
-    return {t: list(v.shape) for t, v in got.items()}
 
 
 def _constants(model) -> dict:

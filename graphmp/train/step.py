@@ -280,7 +280,15 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
         from .rnn import pin_inputs
         pin_inputs(fwd, shapes)
         cfg["pinned_shapes"] = shapes if isinstance(shapes, str) else {k: list(v) for k, v in shapes.items()}
+    # ranks that onnx inference loses (a Reshape to a computed shape): measured in ONNX Runtime at
+    # the build's shapes and declared, dims only where they do not follow the free input dims
+    from .measure import declare_measured, with_measure_note
+    measured = declare_measured(fwd, shapes, where=path, base_dir=base)
+    if measured["tensors"] or measured["note"]:
+        cfg["measured_shapes"] = measured  # train.json: how many tensors, at which shapes, or why not
     out_vi = value_info(src, out_name)
+    if dims(out_vi) is None:  # the output is one of the measured tensors
+        out_vi = value_info(fwd, out_name) or out_vi
     if out_vi is not None and out_vi.type.tensor_type.elem_type != TensorProto.FLOAT:
         raise GraphmpError(f"{path}: output '{out_name}' is not FP32; train from the FP32 model.")
     soft = producer(raw, out_name, through_identity=True) or producer(src, out_name, through_identity=True)
@@ -291,7 +299,10 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
     label_dims, label_elem = losses.label_spec(cfg, out_dims, path)
     cfg["label_shape"] = label_dims
     bn_kw = {} if bn_momentum is None else {"momentum": bn_momentum}
-    running = training_forward(fwd, **bn_kw)  # {running stat: its updated value}
+    try:
+        running = training_forward(fwd, **bn_kw)  # {running stat: its updated value}
+    except GraphmpError as e:
+        raise with_measure_note(e, measured, path) from None
     b = Builder(fwd)
     loss_t = losses.add_loss(fwd, b, cfg, out_dims, label_dims, label_elem)
 
@@ -341,7 +352,10 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
         scale = b.const(cfg["loss_scale"])
     g.input.append(helper.make_tensor_value_info(STEP, TensorProto.INT64, []))
     n_before = len(g.node)
-    grads_scaled = add_backward(fwd, loss_t, weights, seed=scale)
+    try:
+        grads_scaled = add_backward(fwd, loss_t, weights, seed=scale)
+    except GraphmpError as e:
+        raise with_measure_note(e, measured, path) from None
     missing = [w for w in weights if w not in grads_scaled]
     if missing:
         raise GraphmpError(f"{path}: no gradient was produced for {missing}")
