@@ -279,7 +279,9 @@ LSTM/GRU: no gradient rule; each LSTM/GRU node is unrolled into primitive ops ov
   --shapes x:1x50x40). The step graph then accepts only that sequence length (the batch may
   vary): train on data of that length, or rebuild with other --shapes. A Resize, or a
   Conv/pool with auto_pad SAME_*, over dynamic sizes is likewise built for the --shapes
-  sizes (their gradients need the lengths).
+  sizes (their gradients need the lengths). Tensor ranks that onnx shape inference loses
+  (a Reshape to a computed shape) are measured in ONNX Runtime at the --shapes sizes (or
+  sizes graphmp finds that run); the step graph keeps the free dims free.
 
 examples:
   graphmp train-graph model.onnx -o run/ --loss cross-entropy --label-shape N --lr 1e-3

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 from models.train import tiny as tm
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
-from graphmp.train.data import whole_arrays
+from graphmp.train.data import _label_form, whole_arrays
 from graphmp.train.loop import evaluate, load_run, train
 from graphmp.train.step import build_step
 
@@ -42,10 +42,16 @@ def _ce(logits, labels):
 def test_which_arrays_are_whole():
     meta = {"inputs": {"x": ["N", 4], "h0": [4, 1, 64], "sr": []}, "label": {"name": "labels", "shape": ["N"]}}
     assert set(whole_arrays(meta)) == {"h0", "sr"}
-    meta["label"]["shape"] = [4]  # an output with no batch axis
-    assert set(whole_arrays(meta)) == {"h0", "sr", "labels"}
+    # exporters name the batch dim of each input freely: two free first axes are both batches
+    assert whole_arrays({"inputs": {"a": ["unk__3", 4], "b": ["batch", 2]}, "label": {}}) == {}
     # every first axis fixed: it is the (fixed) batch axis of all, as for a batch-1 export
     assert whole_arrays({"inputs": {"x": [1, 4]}, "label": {"name": "labels", "shape": [1]}}) == {}
+    # labels: the data's rank decides; one axis more than a label shape that starts fixed = per sample
+    assert _label_form(np.zeros((8, 4)), [4]) == "stacked"          # output [4], no batch axis
+    assert _label_form(np.zeros(8), []) == "stacked"                # a scalar output
+    assert _label_form(np.zeros((8, 22, 5)), [2, 22, 5]) is None    # batch pinned at 2 by --shapes
+    assert _label_form(np.zeros((8, 1)), ["N"]) is None             # a shape error, not a layout
+    assert _label_form(np.zeros((8, 3)), [4]) is None
 
 
 def test_a_state_given_once_is_fed_with_every_batch(tmp_path):
@@ -123,7 +129,7 @@ def _unbatched_output(tmp_path):
 def test_mse_labels_that_do_not_fit_the_output_are_named_with_the_fix(tmp_path, capsys):
     path, w = _unbatched_output(tmp_path)
     # mixed: the calibration run finds it while building, and measures the real shape
-    with pytest.raises(GraphmpError, match=r"computes \[3\].*--label-shape 3"):
+    with pytest.raises(GraphmpError, match=r"labels \[3\] on a generated batch.*--label-shape 3"):
         build_step(path, str(tmp_path / "mixed"), loss="mse", precision="mixed")
     # fp32: found by the first step, one line naming the labels and the shape that fits
     run = str(tmp_path / "run")
@@ -164,3 +170,21 @@ def test_mse_targets_take_the_output_shape_not_a_broadcast(tmp_path):
     y = ort.InferenceSession(path).run(None, {"x": d["x"]})[0]
     assert res.history["loss"][0] == pytest.approx(float(((y - t[:, 0]) ** 2).mean()), rel=1e-5)
     assert res.history["loss"][0] != pytest.approx(float(((y - t) ** 2).mean()), rel=1e-3)
+
+
+@pytest.mark.parametrize("shapes", [None, "x:2x4"])
+def test_labels_follow_the_output_whatever_its_dims_are_named(tmp_path, shapes):
+    """The output's batch dim named unlike the input's ('unk__7' beside 'N', as exporters do),
+    with and without --shapes: the mixed build's calibration labels take the output's real
+    shape, and a batch of 2 trains (before, the labels were sized [1] and the build failed)."""
+    m = tm.mlp()
+    m.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "unk__7"
+    path = str(tmp_path / "m.onnx")
+    onnx.save(m, path)
+    run = str(tmp_path / "run")
+    build_step(path, run, loss="mse", precision="mixed", optimizer="sgd", lr=0.01, shapes=shapes)
+    assert load_run(run)["label"]["shape"][0] == "unk__7"
+    d = tm.blobs(8)
+    t = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+    res = train(run, {"x": d["x"], "labels": t}, epochs=1, batch_size=2, progress=False)
+    assert res.summary["steps"] == 4 and np.isfinite(res.history["loss"]).all()

@@ -13,9 +13,9 @@
   SoftmaxCrossEntropyLoss wraps negative indices) and label >= classes is a raw runtime error.
 - nonfinite_samples(): which samples hold NaN/inf in a float array, so that bad input data
   is reported as such (not as "inf/NaN gradients" many steps later) or dropped on request.
-- whole_arrays(): inputs (and labels) without a batch axis -- scalars, an RNN's initial state
-  [layers, batch, hidden] beside a batch-first input, the labels of an output with no batch
-  axis -- which the data gives whole: once (fed with every batch) or once per sample.
+- whole_arrays(): inputs without a batch axis -- scalars, an RNN's initial state [layers,
+  batch, hidden] beside a batch-first input -- which the data gives whole: once (fed with
+  every batch) or once per sample; labels of an output with no batch axis, once per sample.
 - run_failure(): an ONNX Runtime run that failed on data the checks let through, as one
   GraphmpError naming the data, the mismatching input and what to do.
 
@@ -164,26 +164,32 @@ def _expected(meta) -> dict:
 
 
 def whole_arrays(meta) -> dict:
-    """{step input name: why}: inputs (and labels) with no batch axis, which the model takes whole.
+    """{model input name: why}: inputs with no batch axis, which the model takes whole.
 
-    Those are scalars, and -- when some model input has a free first axis (the batch axis) --
-    inputs whose first axis is fixed (an RNN's initial state [layers, batch, hidden]) and labels
-    whose first axis is not that batch axis (a model whose output has no batch axis). When
-    every input's first axis is fixed, it is the (fixed) batch axis of all of them, as before."""
+    Those are scalars and -- when some input has a free first axis (the batch axis) --
+    inputs whose first axis is fixed (an RNN's initial state [layers, batch, hidden]). When
+    every input's first axis is fixed, it is the (fixed) batch axis of all of them, as for a
+    batch-1 export. (Labels are whole when the data says so: see _label_form.)"""
     inputs = meta["inputs"]
-    batch = {d[0] for d in inputs.values() if d and not isinstance(d[0], int)}
     free = next((n for n, d in inputs.items() if d and not isinstance(d[0], int)), None)
     out = {}
-    for name, dims in list(inputs.items()) + [(meta["label"]["name"], meta["label"]["shape"])]:
+    for name, dims in inputs.items():
         if dims is not None and not dims:
             out[name] = "a scalar"
-        elif free and dims and dims[0] not in batch:
-            out[name] = f"its first axis is {dims[0]}, not the batch axis '{batch_dim(inputs)}' of '{free}'"
+        elif free and dims and isinstance(dims[0], int):
+            out[name] = f"its first axis is fixed at {dims[0]}, while '{free}' has a free batch axis"
     return out
 
 
-def batch_dim(inputs: dict) -> str:
-    return next(str(d[0]) for d in inputs.values() if d and not isinstance(d[0], int))
+def _label_form(a, dims) -> str | None:
+    """'stacked' when the labels are one per sample of an output with no batch axis: the
+    label shape is a scalar or starts with a fixed size, and the data has one axis more
+    (e.g. --label-shape 4 for an output [4], data [samples, 4]); None for batched labels.
+    Exporters name dims freely (the output's batch may be 'unk__3' beside the input's
+    'batch'), so the data's rank decides, not the dim names."""
+    if dims is None or (dims and not isinstance(dims[0], int)) or a.ndim != len(dims) + 1:
+        return None
+    return "stacked" if all(not isinstance(d, int) or d == s for d, s in zip(dims, a.shape[1:])) else None
 
 
 def _check_shape(name, a, dims, where, batched):
@@ -231,6 +237,8 @@ def _conform(arrays: dict, meta: dict, where: str, batched: bool) -> tuple[dict,
         a = np.asarray(arrays[name])
         if name in whole:
             forms[name] = _whole_form(name, a, dims, whole[name], where, batched)
+        elif name == meta["label"]["name"] and not batched and _label_form(a, dims):
+            forms[name] = "stacked"
         else:
             _check_shape(name, a, dims, where, batched)
         if forms.get(name) != "const" and a.ndim:

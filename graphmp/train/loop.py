@@ -43,6 +43,7 @@ from ..oracle import ort_session
 from ..progress import Progress
 from .data import DataCheck, Dataset, in_order, label_rule, make_source, mse_mismatch, run_failure, whole_arrays
 from .device import check_session, providers_for
+from .optim import skipped_note
 from .plot import write_loss_png
 from .step import NEXT, SCALE, STEP
 
@@ -245,7 +246,7 @@ class Evaluator:
         weights = {n: np.asarray(state[n], dtype=np.float32) for n in self.trained}
         total, correct, counted, n = 0.0, 0.0, 0, 0  # sums over the labelled elements
         where = getattr(source, "where", "eval data")
-        label_whole = lab in whole_arrays(self.meta)  # one sample's labels, no batch axis
+        label_whole = lab in getattr(source, "stacked", ())  # one sample's labels, no batch axis
         for b in in_order(source, batch_size):
             feeds = {k: v for k, v in b.items() if k in self.meta["inputs"]}
             try:
@@ -299,8 +300,9 @@ def _check_batch_size(run_dir, meta, src, batch_size: int) -> None:
         return
     if src.one_per_step and batch_size != 1:
         name = src.stacked[0]
+        why = whole_arrays(meta).get(name, f"labels of shape {meta['label']['shape']}, one more axis in the data")
         raise GraphmpError(f"{src.where}: '{name}' is given once per sample, and the model takes it whole with no "
-                           f"batch axis ({whole_arrays(meta)[name]}), so each step is one sample: use batch size 1.")
+                           f"batch axis ({why}), so each step is one sample: use batch size 1.")
     whole = whole_arrays(meta)
     fixed = [d[0] for k, d in meta["inputs"].items() if d and isinstance(d[0], int) and k not in whole]
     if fixed and fixed[0] != batch_size:
@@ -421,6 +423,10 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
                 run_eval.append(ev_result)
                 _say(bar, _eval_line(ev_result))
                 bar.update(0, eval_loss=f"{ev_result['loss']:.4f}")
+        note = history["scale"] and skipped_note(meta["config"], meta["dynamic_scale"], pos["step"], pos["skipped"],
+                                                 history["scale"][-1])  # (nearly) every step skipped: why
+        if note:
+            _say(bar, note)
     checkpoint()
     state = runner.state_numpy()
     losses = [x for x, a in zip(history["loss"], history["applied"]) if np.isfinite(x)]
@@ -435,7 +441,7 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
         "state_on_device": runner.bound, "precision": meta["config"]["precision"],
         "epochs_done": pos["epoch"], "eval_per_epoch": run_eval,
         "dropped_samples": {"train": src.check.dropped, "eval": eval_src.check.dropped if eval_src else 0},
-        "loss_curve": LOSS_PNG,
+        "loss_curve": LOSS_PNG, "skipped_note": note or None,
     }
     write_loss_png(os.path.join(run_dir, LOSS_PNG), run_loss, [(e["step"], e["loss"]) for e in run_eval],
                    title=f"{os.path.basename(os.path.abspath(run_dir))}: loss ({meta['config']['precision']})")
@@ -465,6 +471,7 @@ def _dropped_lines(*sources) -> list:
 def format_summary(s: dict) -> str:
     lines = [f"steps: {s['steps']} ({s['optimizer_steps']} applied, {s['skipped_steps']} skipped for inf/NaN "
              f"gradients); loss scale now {s['final_scale']:g}"]
+    lines += [s["skipped_note"]] if s.get("skipped_note") else []  # (nearly) all skipped: why, what to do
     if s["loss"] is not None:
         lines.append(f"train loss (last epoch mean): {s['loss']:.4f}")
     per_epoch = s.get("eval_per_epoch") or []

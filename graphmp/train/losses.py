@@ -178,19 +178,11 @@ def _smoothed(b: Builder, cfg, scores, nll, weights, eps) -> str:
     return b.op("Add", [b.op("Mul", [nll, b.const(1.0 - eps)]), b.op("Mul", [smooth, coef])], out=LOSS)
 
 
-def label_mismatch(err: Exception, path: str, cfg: dict, src, feeds: dict, base_dir=None) -> Exception:
-    """The error for a build whose mse targets do not fit the output (the Reshape of add_loss
-    failed in the calibration run): the output's real shape, measured by running the model on
-    `feeds`, and the --label-shape that fits it. Any other error is returned unchanged."""
-    if cfg["loss"] == "cross-entropy" or MSE_RESHAPE not in str(err):
-        return err
-    from ..oracle import runner
-    try:
-        got = list(runner(src, base_dir=base_dir)(feeds)[cfg["output"]].shape)
-    except Exception:  # noqa: BLE001 - the shape is advice; without it the message says what to measure
-        got = None
-    real = f"computes {got}" if got is not None else "computes another shape"
-    fix = ",".join(map(str, got)) if got is not None else "<the output's real shape>"
-    return GraphmpError(f"{path}: mse needs one target per element of output '{cfg['output']}', but the model "
-                        f"{real} where its declared shape gives labels {cfg['label_shape']}. Pass the real shape: "
-                        f"--label-shape {fix} (label_shape=...), and give labels of that shape.")
+def label_mismatch(path: str, cfg: dict, label_dims, want) -> GraphmpError:
+    """The error for a label shape (from the output's declared shape, or --label-shape) that
+    contradicts the labels the output really needs (`want`, measured on a generated batch)."""
+    what = "one target per element of" if cfg["loss"] != "cross-entropy" else "a class index per position of"
+    return GraphmpError(f"{path}: the loss needs {what} output '{cfg['output']}', i.e. labels {list(want)} on a "
+                        f"generated batch, but the label shape is {list(label_dims)} (from the output's declared "
+                        f"shape or --label-shape). Pass the real shape: --label-shape {','.join(map(str, want))} "
+                        "(label_shape=...; a name such as N for the batch axis), and give labels of that shape.")

@@ -174,18 +174,30 @@ def _needed_opset(model) -> int:
     return max([MIN_OPSET] + [v for op, v in NEEDS_OPSET.items() if op in ops])
 
 
-def _calibration_batch(src, base_dir, shapes, path, label_name, label_dims, label_elem, state) -> dict:
+def _calibration_batch(src, base_dir, shapes, path, cfg, label_dims, label_elem, state) -> dict:
     """One generated batch for the mixed conversion of the step's forward: the model's
-    inputs (shapes that run, batch 2 where the model allows it), zero labels of the
-    matching shape, and the real weights and BatchNorm statistics (`state`)."""
+    inputs (shapes that run, batch 2 where the model allows it), zero labels shaped after
+    the output that this batch makes (exporters name output dims freely, so the labels'
+    dim names need not be the inputs'), and the real weights and BatchNorm statistics
+    (`state`). A label shape that contradicts the output (a fixed size, or an input's dim
+    name, that differs) is a one-line error giving the --label-shape that fits."""
     from ..inputs import find_shapes
     from ..oracle import runner
     plan = find_shapes(src, runner(src, base_dir=base_dir), shapes, where=path)
     batch = 2 if plan.batch_free else None
     feeds = plan.feeds(0, batch=batch)
     sizes = {d: n for s in plan.specs for d, n in zip(s.dims, feeds[s.name].shape) if isinstance(d, str)}
-    label = [d if isinstance(d, int) else sizes.get(d, batch or 1) for d in label_dims]
-    feeds[label_name] = np.zeros(label, dtype=helper.tensor_dtype_to_np_dtype(label_elem))
+    probe = copy.deepcopy(src)  # the model with the loss's input tensor as its only output
+    del probe.graph.output[:]
+    probe.graph.output.append(helper.make_tensor_value_info(cfg["output"], TensorProto.FLOAT, None))
+    out = runner(probe, base_dir=base_dir)(feeds)[cfg["output"]].shape
+    want = list(out)
+    if cfg["loss"] == "cross-entropy":
+        del want[losses.class_axis(cfg, len(out), path)]
+    expected = [d if isinstance(d, int) else sizes.get(d) for d in label_dims]
+    if len(expected) != len(want) or any(e is not None and e != w for e, w in zip(expected, want)):
+        raise losses.label_mismatch(path, cfg, label_dims, want)
+    feeds[cfg["label_name"]] = np.zeros(want, dtype=helper.tensor_dtype_to_np_dtype(label_elem))
     feeds.update(state)
     return feeds
 
@@ -330,14 +342,10 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
         from ..convert import convert
         cal = calibration
         if cal is None:
-            cal = [_calibration_batch(src, base, shapes, path, label_name, label_dims, label_elem,
+            cal = [_calibration_batch(src, base, shapes, path, cfg, label_dims, label_elem,
                                       {w: values[w] for w in weights + bn_stats})]
-        try:
-            rep = convert(fwd, calibration=cal, keep_io_types=True,
-                          **({"target": "bf16"} if cfg["precision"] == "bf16" else {}))
-        except GraphmpError as e:  # mse labels that do not fit the output: say which shape does
-            first = cal[0] if isinstance(cal, list) and cal and isinstance(cal[0], dict) else {}
-            raise losses.label_mismatch(e, path, cfg, src, first, base) from None
+        rep = convert(fwd, calibration=cal, keep_io_types=True,
+                      **({"target": "bf16"} if cfg["precision"] == "bf16" else {}))
         fwd, convert_report = rep.model, rep.to_dict()
 
     # --- backward, loss scaling, optimizer ----------------------------------------------
