@@ -169,3 +169,52 @@ def test_a_weight_read_in_both_types_is_stored_twice_and_said(tmp_path):
     assert types == [TP.FLOAT, TP.FLOAT16]
     assert any("read in FP32 by some nodes and in the low type by others" in w and "+0.01 MB" in w
                for w in rep["warnings"])
+
+
+def _moments_layernorm(d=64, mean=1.0, std=0.01, seed=0):
+    """Flax's LayerNorm as jax2tf exports it: var = E[h^2] - E[h]^2 (no centering before the
+    square), on h = x @ w + 1 with a spread of 0.01 around its mean of 1."""
+    w = (np.random.default_rng(seed).standard_normal((d, d)) * std / np.sqrt(d)).astype(np.float32)
+    nodes = [oh.make_node("MatMul", ["x", "w"], ["mm"], name="mm"),
+             oh.make_node("Add", ["mm", "shift"], ["h"], name="shift_add"),
+             oh.make_node("Mul", ["h", "h"], ["sq"], name="sq"),
+             oh.make_node("Reshape", ["sq", "shape"], ["sq2"], name="sq_reshape"),  # data movement between
+             oh.make_node("ReduceMean", ["sq2"], ["m2"], name="mean_sq", axes=[-1]),
+             oh.make_node("ReduceMean", ["h"], ["m"], name="mean", axes=[-1]),
+             oh.make_node("Mul", ["m", "m"], ["msq"], name="sq_mean"),
+             oh.make_node("Sub", ["m2", "msq"], ["var"], name="var"),
+             oh.make_node("Max", ["var", "zero"], ["var0"], name="clamp"),
+             oh.make_node("Add", ["var0", "eps"], ["ve"], name="eps_add"),
+             oh.make_node("Sqrt", ["ve"], ["sd"], name="sd"),
+             oh.make_node("Sub", ["h", "m"], ["c"], name="center"),
+             oh.make_node("Div", ["c", "sd"], ["y"], name="norm"),
+             oh.make_node("Mul", ["mm", "mm"], ["mm_sq"], name="square_not_summed"),
+             oh.make_node("MatMul", ["mm_sq", "w"], ["z"], name="mm2")]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.full(d, mean, np.float32), "shift"),
+             numpy_helper.from_array(np.array([-1, d], np.int64), "shape"),
+             numpy_helper.from_array(np.zeros(1, np.float32), "zero"),
+             numpy_helper.from_array(np.full(1, 1e-12, np.float32), "eps")]
+    g = oh.make_graph(nodes, "flax_ln", [oh.make_tensor_value_info("x", TP.FLOAT, ["N", d])],
+                      [oh.make_tensor_value_info("y", TP.FLOAT, ["N", d]),
+                       oh.make_tensor_value_info("z", TP.FLOAT, ["N", d])], inits)
+    return oh.make_model(g, opset_imports=[oh.make_opsetid("", 13)], ir_version=8)
+
+
+def test_a_summed_square_stays_fp32():
+    """A variance as E[h^2] - E[h]^2 cancels all but the FP16 rounding of the squares: the
+    square is kept FP32 (as Pow is), which the FP16-faithful oracle shows is what keeps the
+    normalised output right; a square that is not summed stays FP16."""
+    m = _moments_layernorm()
+    x = {"x": np.random.default_rng(1).standard_normal((8, 64)).astype(np.float32)}
+    ref = run_ort(m, x)["y"]
+
+    def err(model):
+        return float(np.abs(run_reference(model, x)["y"].astype(np.float64) - ref).max() / np.abs(ref).max())
+
+    rep = graphmp.convert(m, None)
+    reasons = {n["name"]: n["reason"] for n in rep.to_dict()["fp32_nodes"]}
+    assert "square summed" in reasons["sq"]
+    assert "square_not_summed" not in reasons and _types(rep.model)["mm_sq"] == TP.FLOAT16
+    forced = graphmp.convert(m, None, fp16_nodes="^sq$").model  # the square in FP16, as before the rule
+    assert _types(forced)["sq"] == TP.FLOAT16
+    assert err(rep.model) < 0.05 < 0.5 < err(forced)

@@ -20,7 +20,11 @@ reason recorded) when any of these hold, in this order of precedence:
   5. an initializer it reads would change meaning in the target type (beyond the
      range, or a small constant that rounds to zero);
   6. calibration saw a value above the range threshold on one of its float tensors;
-  7. its op class is fp32 (reductions, Softmax, normalisations, Exp/Log, ...).
+  7. its op class is fp32 (reductions, Softmax, normalisations, Exp/Log, ...);
+  8. it squares a tensor (Mul(x, x)) whose squares are summed (ReduceSum/ReduceMean, through
+     data movement), as Pow already is by its class: a variance taken as E[x^2] - E[x]^2
+     (Flax's LayerNorm, exported by jax2tf) cancels everything but the FP16 rounding of
+     the squares (magika's file-type model: 0.2 relative error, the wrong class).
 """
 from __future__ import annotations
 
@@ -132,6 +136,44 @@ def _qdq_edges(g):
     return dq, q
 
 
+SQUARE_REASON = ("square summed (Mul(x, x) -> ReduceSum/ReduceMean): a sum of squares, e.g. a variance "
+                 "E[x^2] - E[x]^2, cancels to the low-precision rounding of the squares (FP32, as Pow)")
+SUM_REDUCTIONS = frozenset({"ReduceSum", "ReduceMean"})
+PASS_THROUGH = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand"})
+
+
+class _Consumers:
+    """Graph key -> its consumers map, built once per graph on first use."""
+
+    def __init__(self):
+        self.maps = {}
+
+    def __call__(self, g):
+        if g.key not in self.maps:
+            self.maps[g.key] = g.consumers()
+        return self.maps[g.key]
+
+
+def _summed_square(g, n, consumers) -> bool:
+    """n is Mul(x, x) and its output reaches a sum reduction through data movement only."""
+    if n.op_type != "Mul" or n.domain not in ("", "ai.onnx") or len(n.inputs) != 2 \
+            or not n.inputs[0] or n.inputs[0] != n.inputs[1]:
+        return False
+    users = consumers(g)
+    todo, seen = [n.outputs[0]], set()
+    while todo:
+        t = todo.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        for c in users.get(t, ()):
+            if c.op_type in SUM_REDUCTIONS:
+                return True
+            if c.op_type in PASS_THROUGH and c.inputs and c.inputs[0] == t:
+                todo.extend(o for o in c.outputs if o)
+    return False
+
+
 def classify(ctx):
     opt = ctx.options
     qdq = {g.key: _qdq_edges(g) for g in ctx.root.walk()}
@@ -139,6 +181,7 @@ def classify(ctx):
     fp32_re = re.compile(opt.fp32_nodes) if opt.fp32_nodes else None
     fp32_ops = set(opt.fp32_ops or ())
     stats = InitStats(ctx)
+    consumers = _Consumers()
     lim = FP16_MAX if opt.target == "fp16" else BF16_MAX
     for g, n in ctx.nodes():
         cls = ops.op_class(n.op_type, n.domain)
@@ -191,6 +234,8 @@ def classify(ctx):
                     break
         if info.reason is None and cls == "fp32":
             info.reason = f"{n.op_type} is range-sensitive (FP32 op class)"
+        if info.reason is None and _summed_square(g, n, consumers):
+            info.reason = SQUARE_REASON
         if info.reason:
             info.cls = "fp32"
 
