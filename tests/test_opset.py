@@ -116,3 +116,22 @@ def test_train_graph_upgrades_old_opsets(tmp_path):
     data = {"Input3": rng.standard_normal((4, 1, 28, 28)).astype(np.float32), "labels": rng.integers(0, 10, 4)}
     res = train(str(tmp_path / "run"), data, epochs=1, batch_size=1, progress=False)  # fixed batch 1
     assert np.isfinite(res.history["loss"]).all()
+
+
+def test_ir3_model_whose_constants_become_initializers_stays_valid():
+    """IR 3 wants every initializer listed as a graph input; prepare hoists Constant nodes to
+    initializers, so the output says IR 4 (found on onnx's own pytorch-converted test
+    models, e.g. test_Softsign: the checker refused the converted model)."""
+    nodes = [oh.make_node("Constant", [], ["one"], value=nph.from_array(np.ones(4, np.float32), "v")),
+             oh.make_node("Abs", ["x"], ["a"]), oh.make_node("Add", ["a", "one"], ["d"]),
+             oh.make_node("Div", ["x", "d"], ["y"])]
+    g = oh.make_graph(nodes, "softsign", [oh.make_tensor_value_info("x", TP.FLOAT, [2, 4])],
+                      [oh.make_tensor_value_info("y", TP.FLOAT, [2, 4])])
+    src = oh.make_model(g, opset_imports=[oh.make_opsetid("", 6)])
+    src.ir_version = 3
+    onnx.checker.check_model(src, full_check=True)
+    out = graphmp.convert(src, None).model
+    assert "one" in {t.name for t in out.graph.initializer}
+    onnx.checker.check_model(out, full_check=True)
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    np.testing.assert_allclose(run_ort(out, {"x": x})["y"], x / (np.abs(x) + 1), rtol=1e-3, atol=1e-3)

@@ -72,6 +72,8 @@ def constants_to_initializers(model) -> int:
                 dst.CopyFrom(src)
             del g.node[:]
             g.node.extend(kept)
+    if moved and model.ir_version < 4:  # IR 3 wants every initializer listed as a graph input
+        model.ir_version = 4
     return moved
 
 
