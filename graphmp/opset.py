@@ -145,4 +145,15 @@ def upgrade(model: onnx.ModelProto, target: int, where: str = "<model>") -> onnx
                            f"({msg[:200]}); re-export the model with opset >= {target}") from None
     for g in iter_graphs(out.graph):  # inferred/adapter shapes: the types pass re-derives them
         del g.value_info[:]
+    # the converter keeps the IR version; an IR-3 model (every initializer also a graph input)
+    # would forbid the initializers later passes add, and the new opset needs a newer IR anyway.
+    # From IR 4 an initializer listed as an input is an overridable default, not a constant
+    # (ONNX Runtime then folds nothing with it): IR 3's listing goes, as its meaning was.
+    need = onnx.helper.find_min_ir_version_for([onnx.helper.make_opsetid("", target)])
+    if out.ir_version < 4 <= need:
+        inits = {t.name for t in out.graph.initializer}
+        keep = [v for v in out.graph.input if v.name not in inits]
+        del out.graph.input[:]
+        out.graph.input.extend(keep)
+    out.ir_version = max(out.ir_version, need)
     return out

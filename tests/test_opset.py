@@ -135,3 +135,53 @@ def test_ir3_model_whose_constants_become_initializers_stays_valid():
     onnx.checker.check_model(out, full_check=True)
     x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
     np.testing.assert_allclose(run_ort(out, {"x": x})["y"], x / (np.abs(x) + 1), rtol=1e-3, atol=1e-3)
+
+
+def test_train_graph_on_an_ir3_model_without_initializers(tmp_path):
+    """An IR-3 export whose only weight is a Constant node (no initializer, so nothing moves
+    out of the inputs): the opset upgrade raises the IR version with the opset, so the
+    step graph's own constants are valid (the checker refused it before: found on onnx's
+    pytorch-converted test_PoissonNLLLLoss_no_reduce)."""
+    from graphmp.train.loop import train
+    from graphmp.train.step import build_step
+    w = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    nodes = [oh.make_node("Constant", [], ["W"], value=nph.from_array(w, "W")),
+             oh.make_node("MatMul", ["x", "W"], ["y"])]
+    g = oh.make_graph(nodes, "ir3", [oh.make_tensor_value_info("x", TP.FLOAT, [2, 4])],
+                      [oh.make_tensor_value_info("y", TP.FLOAT, [2, 3])])
+    src = oh.make_model(g, opset_imports=[oh.make_opsetid("", 6)])
+    src.ir_version = 3
+    onnx.checker.check_model(src, full_check=True)
+    onnx.save(src, str(tmp_path / "m.onnx"))
+    meta = build_step(str(tmp_path / "m.onnx"), str(tmp_path / "run"), loss="mse", precision="fp32",
+                      optimizer="sgd", lr=0.1)
+    step = onnx.load(str(tmp_path / "run" / "step.onnx"))
+    onnx.checker.check_model(step, full_check=True)
+    assert step.ir_version >= 7 and meta["weights"] == ["W"]
+    x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
+    res = train(str(tmp_path / "run"), {"x": x, "labels": np.zeros((2, 3), np.float32)}, batch_size=2,
+                progress=False)
+    assert res.history["loss"][0] == pytest.approx(float(((x @ w) ** 2).mean()), rel=1e-5)
+
+
+def test_a_step_graph_ort_cannot_load_is_refused_at_build(tmp_path, capsys):
+    """A model ONNX Runtime cannot run (PRelu's slope [3] against x [2, 3, 4]: onnx's own
+    pytorch-converted test_PReLU_1d_multiparam): train-graph says so in one line, in fp32
+    (the step graph does not load) and mixed (the calibration run fails), instead of
+    writing a run that `graphmp train` crashes on."""
+    from graphmp.cli import main
+    g = oh.make_graph([oh.make_node("PRelu", ["x", "slope"], ["y"])], "prelu",
+                      [oh.make_tensor_value_info("x", TP.FLOAT, [2, 3, 4])],
+                      [oh.make_tensor_value_info("y", TP.FLOAT, [2, 3, 4])],
+                      [nph.from_array(np.full(3, 0.25, np.float32), "slope")])
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 6)])
+    m.ir_version = 3
+    m.graph.input.append(oh.make_tensor_value_info("slope", TP.FLOAT, [3]))
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    for precision, says in (("fp32", "cannot load the training step graph"), ("mixed", "cannot run the model")):
+        run = str(tmp_path / precision)
+        assert main(["train-graph", str(tmp_path / "m.onnx"), "-o", run, "--loss", "mse",
+                     "--precision", precision]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and says in err, err
+        assert not os.path.exists(os.path.join(run, "train.json"))

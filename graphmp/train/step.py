@@ -56,7 +56,7 @@ import re
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from ..errors import GraphmpError
+from ..errors import GraphmpError, first_line
 from ..io import iter_graphs, load_model, save_npz, tensor_array, write_json
 from ..opset import upgrade
 from ..passes.prepare import initializers_out_of_inputs
@@ -190,7 +190,12 @@ def _calibration_batch(src, base_dir, shapes, path, cfg, label_dims, label_elem,
     probe = copy.deepcopy(src)  # the model with the loss's input tensor as its only output
     del probe.graph.output[:]
     probe.graph.output.append(helper.make_tensor_value_info(cfg["output"], TensorProto.FLOAT, None))
-    out = runner(probe, base_dir=base_dir)(feeds)[cfg["output"]].shape
+    try:
+        out = runner(probe, base_dir=base_dir)(feeds)[cfg["output"]].shape
+    except Exception as e:  # noqa: BLE001 - ORT's run errors are many kinds
+        raise GraphmpError(f"{path}: ONNX Runtime cannot run the model on generated inputs of shapes "
+                           f"{plan.describe()} ({first_line(e)}); give other --shapes, or precision='fp32' "
+                           "(--precision fp32) to build without a calibration run.") from None
     want = list(out)
     if cfg["loss"] == "cross-entropy":
         del want[losses.class_axis(cfg, len(out), path)]
@@ -409,8 +414,7 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
     del g.output[:]
     g.output.extend(outputs)
     _check_no_fp16_state(fwd, weights, path)
-    if cfg["precision"] == "bf16":
-        _check_runs(fwd, path)
+    _check_runs(fwd, path, bf16=cfg["precision"] == "bf16")
 
     # --- inference graph for eval/export: the source model, trained tensors as inputs ----
     infer = copy.deepcopy(src)
@@ -480,11 +484,13 @@ def _update(b: Builder, cfg: dict, grads: dict, loss_t: str, dynamic: bool):
     return new, applied, micro_finite, accum_init
 
 
-def _check_runs(model, path):
-    """BF16: build an ONNX Runtime session of the step graph with this machine's providers;
-    a clear error (what to use instead) when one of its kernels is missing."""
+def _check_runs(model, path, bf16: bool = False):
+    """The step graph loads in ONNX Runtime (a run folder that `graphmp train` cannot open is
+    not a build); for BF16 with this machine's providers, and a clear error (what to use
+    instead) when one of its kernels is missing."""
     import onnxruntime as ort
-    providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
+    providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider")
+                 if p in ort.get_available_providers() and (bf16 or p == "CPUExecutionProvider")]
     so = ort.SessionOptions()
     so.log_severity_level = 4
     try:
@@ -492,6 +498,10 @@ def _check_runs(model, path):
     except Exception as e:  # noqa: BLE001  (ORT raises several types; the message says which kernel)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         m = re.search(r"implementation for (\w+)\((\d+)\) node with name '([^']*)'", first)
+        if not bf16:
+            raise GraphmpError(f"{path}: ONNX Runtime cannot load the training step graph built from this model "
+                               f"({first[:240]}). Check that ONNX Runtime runs the model itself; if it does, "
+                               "this is a graphmp bug: please report it with the model.") from None
         what = f"no BF16 kernel for {m.group(1)}, node '{m.group(3)}'" if m else first[:200]
         raise GraphmpError(f"{path}: ONNX Runtime here ({', '.join(providers)}) cannot run the BF16 step graph "
                            f"({what}); use --precision mixed (FP16 with loss scaling) or fp32 on this machine, "
