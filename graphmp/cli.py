@@ -312,7 +312,9 @@ A checkpoint (RUN/ckpt-*.npz + RUN/checkpoint.json) is written every --checkpoin
 steps and at the end; rerunning the same command resumes from it (--no-resume starts over).
 Output: eval loss/accuracy after every epoch (with --eval), RUN/summary.json (eval per
 epoch in "eval_per_epoch", the providers that ran in "providers") and RUN/loss.png (train
-loss per step, eval loss per epoch, the whole run).
+loss per step, eval loss per epoch, the whole run). When (nearly) every step is skipped
+for inf/NaN gradients, the progress output and summary say why and what to do; exit 1
+when no step of the call was applied (nothing was trained), else 0.
 
 examples:
   graphmp train run/ --data train.npz --epochs 3 --eval eval.npz
@@ -457,7 +459,10 @@ def _run_train(args) -> int:
                 progress=not args.quiet, seed=args.seed, max_steps=args.max_steps,
                 skip_bad_samples=args.skip_bad_samples)
     print(format_summary(res.summary))
-    return 0
+    applied = sum(bool(a) for a in res.history["applied"])
+    # nothing trained: every step of this call skipped and the summary's note says why (exit 1,
+    # as a failed check, so a script does not take an unchanged model for a trained one)
+    return 1 if res.summary.get("skipped_note") and res.history["applied"] and not applied else 0
 
 
 def _run_export(args) -> int:

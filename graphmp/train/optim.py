@@ -143,6 +143,32 @@ def _zeros_like(b: Builder, t: str) -> str:
     return b.op("ConstantOfShape", [b.op("Shape", [t])])
 
 
+def skipped_note(cfg: dict, dynamic: bool, steps: int, skipped: int, scale: float) -> str | None:
+    """One line saying why a run skipped (nearly) every step (at least 90% of them, over 4 or more
+    steps), or None when it did not. cfg: train.json "config" (precision, min_scale, loss_scale);
+    dynamic: the loss scale is dynamic; scale: the loss scale after the last step.
+
+    The cases differ in what helps: a dynamic scale still above its floor is still backing off
+    (more steps, or a lower --init-scale, help); at the floor, or with a fixed scale, or in FP32,
+    a smaller scale cannot help: the gradients themselves are inf/NaN."""
+    if steps < 4 or skipped * 10 < steps * 9:
+        return None
+    what = f"{'all' if skipped == steps else f'{skipped} of'} {steps} steps were skipped for inf/NaN gradients"
+    if cfg.get("precision") == "fp32":
+        return (f"{what}, in FP32: the loss or its gradients are not finite whatever the precision; check the "
+                "data, lower --lr, or look for a NaN-producing op (log/sqrt/division of zero).")
+    if dynamic and scale > cfg.get("min_scale", 1.0):
+        return (f"{what}: the dynamic loss scale is still backing off (now {scale:g}, x{cfg.get('backoff', 0.5):g} "
+                "per overflow); train more steps, or rebuild with a lower --init-scale.")
+    kind = "BF16" if cfg.get("precision") == "bf16" else "FP16"
+    if not dynamic:
+        return (f"{what} at the fixed loss scale {scale:g}: the {kind} gradients overflow at that scale or are NaN; "
+                "rebuild with a smaller --loss-scale or 'dynamic', or train with --precision fp32.")
+    return (f"{what} at loss scale {scale:g}, its floor (--min-scale): the {kind} gradients are inf/NaN even so, "
+            "which loss scaling cannot fix; train with --precision fp32, or, when they only overflow, a lower "
+            "--min-scale (PyTorch's GradScaler has no floor).")
+
+
 def scale_update(b: Builder, cfg: dict, finite: str, scale: str, clean: str) -> tuple[str, str]:
     """Dynamic loss scale (torch GradScaler semantics, plus floor and cap); returns the new
     (scale, clean-step counter):

@@ -20,8 +20,11 @@ one gradient per node input (None for inputs that need none; `em.needs(x)` says 
 A gradient has the dtype and shape of its tensor. Rules read forward tensors (inputs,
 outputs) straight from the forward graph rather than recomputing them, and build
 constants with `em.like(value, tensor)` so they match the dtype they meet (FP16 regions
-stay FP16). A rule that cannot differentiate a node's settings raises GraphmpError naming
-the node.
+stay FP16). A rule that finds the elements a max/min picked compares them with
+`common._is_extreme`, not a bare Equal: a runtime may keep one side of the comparison in
+FP32 and round the other to FP16 (ONNX Runtime on the CPU does), and an exact Equal then
+matches nothing (0/0 = NaN gradients at every loss scale). A rule that cannot
+differentiate a node's settings raises GraphmpError naming the node.
 """
 from __future__ import annotations
 

@@ -17,6 +17,33 @@ def _zero_where(em: Emitter, cond: str, g: str, keep_when_true=True) -> str:
     return em.op("Where", [cond, g, zero] if keep_when_true else [cond, zero, g])
 
 
+# Half the relative spacing of FP16 / BF16 numbers (2^-11 = 2^-(10 mantissa bits + 1); 2^-8):
+# any real x and its rounding r to that type differ by less than |r| * this much, except an x
+# exactly halfway between a power of two r and the number above it (a measure-zero case).
+_HALF_ULP = {TensorProto.FLOAT16: 2.0 ** -11, TensorProto.BFLOAT16: 2.0 ** -8}
+
+
+def _is_extreme(em: Emitter, x: str, y: str) -> str:
+    """Bool mask [x == y] for a rule that finds the elements a Max/Min picked (y: the forward
+    output, broadcastable to x).
+
+    FP32/FP64: exact Equal. FP16/BF16: x == y, or |x - y| < |y| * half an ulp of the type.
+    Why: a runtime may compute an FP16 graph in FP32 and drop the Casts it inserts around
+    some ops but not others (ONNX Runtime on the CPU: Relu -> Transpose -> ReduceMax left
+    the ReduceMax input unrounded and its output rounded to FP16), so the two sides of the
+    Equal differ by the FP16 rounding, no element matches, and dY * mask / count is 0/0 =
+    NaN at every loss scale (every step skipped). The tolerance is below the gap between
+    two distinct FP16 (BF16) numbers near y, so a runtime that really computes in that type
+    gets exactly the Equal mask; values that round to y count as ties, as they would be in
+    that type."""
+    eq = em.op("Equal", [x, y])
+    tol = _HALF_ULP.get(em.dtype(x))
+    if tol is None:
+        return eq
+    near = em.op("Less", [em.op("Abs", [em.op("Sub", [x, y])]), em.op("Mul", [em.op("Abs", [y]), em.like(tol, x)])])
+    return em.op("Or", [eq, near])
+
+
 def _count_ratio(em: Emitter, x: str, y: str, dtype: int) -> str:
     """numel(x) / numel(y) as a scalar of `dtype` (static when shapes are)."""
     sx, sy = em.static_shape(x), em.static_shape(y)

@@ -8,7 +8,7 @@ import numpy as np
 from ...errors import GraphmpError
 from ...ops import FLOAT_TYPES
 from ..emitter import attr, rule, zero_grad
-from .common import _inputs, _zero_where
+from .common import _inputs, _is_extreme, _zero_where
 
 
 # --- elementwise arithmetic ----------------------------------------------------------------
@@ -80,9 +80,10 @@ def mean_(em, node, g):
 
 @rule("Max", "Min")
 def max_min(em, node, g):
-    """Y = max/min(Xi): dXi = dY where Xi == Y (ties each get dY), summed over broadcast axes."""
+    """Y = max/min(Xi): dXi = dY where Xi == Y (ties each get dY), summed over broadcast axes.
+    In FP16/BF16, Xi == Y tolerates the type's rounding (common._is_extreme)."""
     y = node.output[0]
-    return [em.unbroadcast(_zero_where(em, em.op("Equal", [x, y]), g[0]), x, y) if em.needs(x) else None
+    return [em.unbroadcast(_zero_where(em, _is_extreme(em, x, y), g[0]), x, y) if em.needs(x) else None
             for x in node.input]
 
 

@@ -6,7 +6,7 @@ from onnx import TensorProto, helper
 
 from ...errors import GraphmpError
 from ..emitter import Emitter, attr, rule
-from .common import _count_ratio, _flat_scatter, _inputs
+from .common import _count_ratio, _flat_scatter, _inputs, _is_extreme
 
 
 # --- convolution and pooling ------------------------------------------------------------------
@@ -329,7 +329,7 @@ def instance_norm(em, node, g):
 def global_max_pool(em, node, g):
     """Y = max over the spatial axes: dX = dY * [X == Y] / (number of ties), as ReduceMax."""
     x = node.input[0]
-    mask = em.op("Cast", [em.op("Equal", [x, node.output[0]])], to=em.dtype(x))
+    mask = em.op("Cast", [_is_extreme(em, x, node.output[0])], to=em.dtype(x))
     count = em.reduce("ReduceSum", mask, range(2, em.rank(x)), keepdims=1)
     return [em.op("Mul", [mask, em.op("Div", [g[0], count])])]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ...errors import GraphmpError
 from ..emitter import Emitter, attr, rule
-from .common import _count_ratio
+from .common import _count_ratio, _is_extreme
 
 _ALL = "all"
 
@@ -80,11 +80,12 @@ def reduce_mean(em, node, g):
 @rule("ReduceMax", "ReduceMin")
 def reduce_max_min(em, node, g):
     """Y = max/min of X over axes: dX = dY * [X == Y] / (number of ties), i.e. dY goes to the
-    extreme element, split evenly among elements that tie (torch.amax/amin semantics)."""
+    extreme element, split evenly among elements that tie (torch.amax/amin semantics).
+    In FP16/BF16, [X == Y] tolerates the type's rounding (common._is_extreme)."""
     x = node.input[0]
     if _axes(em, node) == []:
         return [g[0]]
-    mask = em.op("Cast", [em.op("Equal", [x, _keepdims(em, node, node.output[0])])], to=em.dtype(x))
+    mask = em.op("Cast", [_is_extreme(em, x, _keepdims(em, node, node.output[0]))], to=em.dtype(x))
     share = em.op("Div", [_keepdims(em, node, g[0]), _sum_like(em, node, mask)])
     return [em.op("Mul", [mask, share])]
 
