@@ -1,0 +1,75 @@
+"""ONNX Runtime runs while a training step is built (build_step calls both).
+
+- calibration_batch(): the generated batch the mixed conversion of the step's forward is
+  calibrated on, with labels shaped after what the output really is on it;
+- check_runs(): the finished step graph loads in ONNX Runtime (with this machine's providers
+  for BF16, whose kernels may be missing), so a run folder `graphmp train` cannot open is
+  never written.
+"""
+from __future__ import annotations
+
+import copy
+import re
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from ..errors import GraphmpError, first_line
+from . import losses
+
+
+def calibration_batch(src, base_dir, shapes, path, cfg, label_dims, label_elem, state) -> dict:
+    """One generated batch for the mixed conversion of the step's forward: the model's
+    inputs (shapes that run, batch 2 where the model allows it), zero labels shaped after
+    the output that this batch makes (exporters name output dims freely, so the labels'
+    dim names need not be the inputs'), and the real weights and BatchNorm statistics
+    (`state`). A label shape that contradicts the output (a fixed size, or an input's dim
+    name, that differs) is a one-line error giving the --label-shape that fits."""
+    from ..inputs import find_shapes
+    from ..oracle import runner
+    plan = find_shapes(src, runner(src, base_dir=base_dir), shapes, where=path)
+    batch = 2 if plan.batch_free else None
+    feeds = plan.feeds(0, batch=batch)
+    sizes = {d: n for s in plan.specs for d, n in zip(s.dims, feeds[s.name].shape) if isinstance(d, str)}
+    probe = copy.deepcopy(src)  # the model with the loss's input tensor as its only output
+    del probe.graph.output[:]
+    probe.graph.output.append(helper.make_tensor_value_info(cfg["output"], TensorProto.FLOAT, None))
+    try:
+        out = runner(probe, base_dir=base_dir)(feeds)[cfg["output"]].shape
+    except Exception as e:  # noqa: BLE001 - ORT's run errors are many kinds
+        raise GraphmpError(f"{path}: ONNX Runtime cannot run the model on generated inputs of shapes "
+                           f"{plan.describe()} ({first_line(e)}); give other --shapes, or precision='fp32' "
+                           "(--precision fp32) to build without a calibration run.") from None
+    want = list(out)
+    if cfg["loss"] == "cross-entropy":
+        del want[losses.class_axis(cfg, len(out), path)]
+    expected = [d if isinstance(d, int) else sizes.get(d) for d in label_dims]
+    if len(expected) != len(want) or any(e is not None and e != w for e, w in zip(expected, want)):
+        raise losses.label_mismatch(path, cfg, label_dims, want)
+    feeds[cfg["label_name"]] = np.zeros(want, dtype=helper.tensor_dtype_to_np_dtype(label_elem))
+    feeds.update(state)
+    return feeds
+
+
+def check_runs(model, path, bf16: bool = False):
+    """The step graph loads in ONNX Runtime (a run folder that `graphmp train` cannot open is
+    not a build); for BF16 with this machine's providers, and a clear error (what to use
+    instead) when one of its kernels is missing."""
+    import onnxruntime as ort
+    providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider")
+                 if p in ort.get_available_providers() and (bf16 or p == "CPUExecutionProvider")]
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    try:
+        ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+    except Exception as e:  # noqa: BLE001  (ORT raises several types; the message says which kernel)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        m = re.search(r"implementation for (\w+)\((\d+)\) node with name '([^']*)'", first)
+        if not bf16:
+            raise GraphmpError(f"{path}: ONNX Runtime cannot load the training step graph built from this model "
+                               f"({first[:240]}). Check that ONNX Runtime runs the model itself; if it does, "
+                               "this is a graphmp bug: please report it with the model.") from None
+        what = f"no BF16 kernel for {m.group(1)}, node '{m.group(3)}'" if m else first[:200]
+        raise GraphmpError(f"{path}: ONNX Runtime here ({', '.join(providers)}) cannot run the BF16 step graph "
+                           f"({what}); use --precision mixed (FP16 with loss scaling) or fp32 on this machine, "
+                           "bf16 with the CUDA provider on an Ampere or newer GPU.") from None
