@@ -52,8 +52,10 @@ def test_subgraph_weights_converted_valid_and_accurate(name):
     out = graphmp.convert(model, None, calibration=[feeds]).model
     onnx.checker.check_model(out, full_check=True)
     after = cf.float_weight_bytes(out)
-    # every weight lives in a subgraph, and every one feeds FP16 work: all are FP16 now
-    assert after == {"FLOAT16": before["FLOAT"] // 2}, (before, after)
+    # every weight lives in a subgraph; those feeding FP16 work are FP16 now, and the Loop's
+    # bias b_body (16 floats) stays FP32: its Add updates the carried state (classify rule 9)
+    kept = {"loop_weights_in_body": 64}.get(name, 0)
+    assert after == {"FLOAT16": (before["FLOAT"] - kept) // 2, **({"FLOAT": kept} if kept else {})}, (before, after)
     for f in _feed_variants(name, feeds):
         want = _ort(model, f)
         got_ort = _ort(out, f)

@@ -218,3 +218,55 @@ def test_a_summed_square_stays_fp32():
     forced = graphmp.convert(m, None, fp16_nodes="^sq$").model  # the square in FP16, as before the rule
     assert _types(forced)["sq"] == TP.FLOAT16
     assert err(rep.model) < 0.05 < 0.5 < err(forced)
+
+
+def _recurrent_loop(d=32, steps=300, seed=0):
+    """A Loop whose carried state h moves a little each iteration: h += 0.05 * (tanh(h @ w + x) - h)
+    (a leaky recurrent cell), 300 iterations, then a MatMul head."""
+    r = np.random.default_rng(seed)
+    w = (r.standard_normal((d, d)) / np.sqrt(d) * 0.9).astype(np.float32)
+    body = oh.make_graph(
+        [oh.make_node("MatMul", ["h_in", "w"], ["hw"], name="body_mm"),
+         oh.make_node("Add", ["hw", "x"], ["pre"], name="body_add"),
+         oh.make_node("Tanh", ["pre"], ["t"], name="body_tanh"),
+         oh.make_node("Sub", ["t", "h_in"], ["diff"], name="body_sub"),
+         oh.make_node("Mul", ["diff", "rate"], ["step"], name="body_mul"),
+         oh.make_node("Add", ["h_in", "step"], ["h_out"], name="body_update"),
+         oh.make_node("Identity", ["cond_in"], ["cond_out"], name="body_cond")],
+        "body", [oh.make_tensor_value_info("i", TP.INT64, []), oh.make_tensor_value_info("cond_in", TP.BOOL, []),
+                 oh.make_tensor_value_info("h_in", TP.FLOAT, [1, d])],
+        [oh.make_tensor_value_info("cond_out", TP.BOOL, []), oh.make_tensor_value_info("h_out", TP.FLOAT, [1, d])])
+    g = oh.make_graph(
+        [oh.make_node("Loop", ["trips", "", "h0"], ["h_final"], name="loop", body=body),
+         oh.make_node("MatMul", ["h_final", "w"], ["y"], name="head")],
+        "rnn", [oh.make_tensor_value_info("h0", TP.FLOAT, [1, d]), oh.make_tensor_value_info("x", TP.FLOAT, [1, d])],
+        [oh.make_tensor_value_info("y", TP.FLOAT, [1, d])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(steps, np.int64), "trips"),
+         numpy_helper.from_array(np.array([0.05], np.float32), "rate")])
+    return oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_loop_carried_state_is_updated_in_fp32():
+    """The elementwise math from a Loop body's carried state to its next value stays FP32 (its
+    MatMul stays FP16): in FP16 the small update is rounded away again at every one of 300
+    iterations (24x the error on the FP16-faithful oracle)."""
+    m = _recurrent_loop()
+    onnx.checker.check_model(m, full_check=True)
+    rng = np.random.default_rng(1)
+    x = {"h0": rng.standard_normal((1, 32)).astype(np.float32) * 0.5,
+         "x": rng.standard_normal((1, 32)).astype(np.float32) * 0.3}
+    ref = run_ort(m, x)["y"]
+
+    def err(model):
+        return float(np.abs(run_reference(model, x)["y"].astype(np.float64) - ref).max() / np.abs(ref).max())
+
+    rep = graphmp.convert(m, None)
+    onnx.checker.check_model(rep.model, full_check=True)
+    reasons = {n["name"]: n["reason"] for n in rep.to_dict()["fp32_nodes"]}
+    assert {k for k, v in reasons.items() if v.startswith("recurrent state")} == \
+        {"body_add", "body_tanh", "body_sub", "body_mul", "body_update"}
+    body = next(n for n in rep.model.graph.node if n.op_type == "Loop").attribute[0].g
+    mm = next(n for n in body.node if n.name == "body_mm")
+    assert any(n.op_type == "Cast" and n.output[0] in mm.input for n in body.node)  # the MatMul reads FP16
+    forced = graphmp.convert(m, None, fp16_nodes="^body_").model
+    assert err(rep.model) < 2e-3 and err(forced) > 4e-3

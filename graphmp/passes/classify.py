@@ -24,7 +24,12 @@ reason recorded) when any of these hold, in this order of precedence:
   8. it squares a tensor (Mul(x, x)) whose squares are summed (ReduceSum/ReduceMean, through
      data movement), as Pow already is by its class: a variance taken as E[x^2] - E[x]^2
      (Flax's LayerNorm, exported by jax2tf) cancels everything but the FP16 rounding of
-     the squares (magika's file-type model: 0.2 relative error, the wrong class).
+     the squares (magika's file-type model: 0.2 relative error, the wrong class);
+  9. it is elementwise math (follow class) on the way from a loop-carried float state of a
+     Loop/Scan body to that state's next value: the recurrence (a hand-written GRU cell,
+     an attention decoder's hidden state) is rounded again at every iteration, and the
+     error compounds (PaddleOCR's SLANet table decoder, 500 iterations: box error 0.027 ->
+     0.001). Its MatMuls stay FP16: Tensor Core work, rounded once per use.
 """
 from __future__ import annotations
 
@@ -174,6 +179,67 @@ def _summed_square(g, n, consumers) -> bool:
     return False
 
 
+RECURRENCE_REASON = ("recurrent state: elementwise math from a Loop/Scan body's carried float state to its next "
+                     "value is rounded again at every iteration, so FP16 error compounds")
+
+
+def _carried_pairs(g, opset: int) -> list[tuple[str, str]]:
+    """(body input, body output) of each loop-carried state of g, when g is the body of a
+    Loop (inputs: iter, cond, states...; outputs: cond, states..., scan outputs) or a Scan
+    (inputs: states..., scan inputs; outputs: states..., scan outputs; the node's inputs
+    are [sequence_lens,] states..., scan inputs, sequence_lens only at opset 8)."""
+    owner = g.owner
+    if owner is None or owner.domain not in ("", "ai.onnx"):
+        return []
+    if owner.op_type == "Loop":
+        n = len(owner.inputs) - 2
+        return list(zip(g.input_names[2:2 + n], g.output_names[1:1 + n]))
+    if owner.op_type == "Scan":
+        n = len(owner.inputs) - int(owner.attr("num_scan_inputs") or 0) - (opset < 9)
+        return list(zip(g.input_names[:n], g.output_names[:n]))
+    return []
+
+
+class _Recurrences:
+    """Graph key -> ids of the nodes on a path from a carried float state to its next value."""
+
+    def __init__(self):
+        self.sets = {}
+
+    def __call__(self, ctx, g) -> set:
+        if g.key not in self.sets:
+            self.sets[g.key] = _recurrence_nodes(ctx, g)
+        return self.sets[g.key]
+
+
+def _recurrence_nodes(ctx, g) -> set:
+    pairs = [(i, o) for i, o in _carried_pairs(g, ctx.opsets.get("", 1)) if ctx.type_of(g, i) == FLOAT]
+    if not pairs:
+        return set()
+    producers = g.producers()
+    users = g.consumers()
+    out = set()
+    for start, end in pairs:
+        ahead, todo = set(), [start]          # tensors that depend on the state
+        while todo:
+            t = todo.pop()
+            for c in users.get(t, ()):
+                for o in c.outputs:
+                    if o and o not in ahead:
+                        ahead.add(o)
+                        todo.append(o)
+        back, todo = set(), [end]             # nodes the next state depends on, reached from it
+        while todo:
+            t = todo.pop()
+            p = producers.get(t)
+            if p is None or id(p) in back or not any(o in ahead for o in p.outputs):
+                continue
+            back.add(id(p))
+            todo.extend(i for i in p.inputs if i)
+        out |= back
+    return out
+
+
 def classify(ctx):
     opt = ctx.options
     qdq = {g.key: _qdq_edges(g) for g in ctx.root.walk()}
@@ -182,6 +248,7 @@ def classify(ctx):
     fp32_ops = set(opt.fp32_ops or ())
     stats = InitStats(ctx)
     consumers = _Consumers()
+    recurrences = _Recurrences()
     lim = FP16_MAX if opt.target == "fp16" else BF16_MAX
     for g, n in ctx.nodes():
         cls = ops.op_class(n.op_type, n.domain)
@@ -236,6 +303,8 @@ def classify(ctx):
             info.reason = f"{n.op_type} is range-sensitive (FP32 op class)"
         if info.reason is None and _summed_square(g, n, consumers):
             info.reason = SQUARE_REASON
+        if info.reason is None and cls == "follow" and id(n) in recurrences(ctx, g):
+            info.reason = RECURRENCE_REASON
         if info.reason:
             info.cls = "fp32"
 
