@@ -63,9 +63,26 @@ def parse(spec) -> tuple[str, float]:
     return kind, value
 
 
+def as_tensor(value) -> np.ndarray:
+    """An output as an array, ONNX Runtime's non-tensor outputs included: a sequence of maps
+    (ZipMap: one {class: score} per sample, as scikit-learn exports return probabilities)
+    becomes [samples, classes] in key order, a sequence of same-shaped tensors is stacked.
+    (np.asarray makes an object array of them, compared for exact equality.)"""
+    if isinstance(value, dict):
+        value = [value]
+    if isinstance(value, list) and value and all(isinstance(d, dict) for d in value):
+        keys = sorted(value[0])
+        if all(sorted(d) == keys for d in value):
+            return np.array([[d[k] for k in keys] for d in value], dtype=np.float64)
+    if isinstance(value, list) and value and all(isinstance(a, np.ndarray) for a in value) \
+            and len({(a.shape, a.dtype) for a in value}) == 1:
+        return np.stack(value)
+    return np.asarray(value)
+
+
 def output_error(ref: np.ndarray, got: np.ndarray, metric: str) -> float | None:
     """One output's error (see the module docstring); None: not judged by this metric."""
-    ref, got = np.asarray(ref), np.asarray(got)
+    ref, got = as_tensor(ref), as_tensor(got)
     if ref.dtype.kind not in "fc":
         return 0.0 if np.array_equal(ref, got) else float("inf")
     r, g = ref.astype(np.float64), got.astype(np.float64)

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 
 from .errors import GraphmpError, first_line
-from .budget import measure, output_error, parse
+from .budget import as_tensor, measure, output_error, parse
 from .emulate import emulated_runner
 from .inputs import find_shapes, input_specs, user_batches
 from .io import load_model
@@ -43,8 +43,8 @@ def compare(ref: np.ndarray, got: np.ndarray, atol: float | None = None, rtol: f
     argmax agreement (class-score outputs), new non-finite values and `error` under
     `metric` (graphmp.budget). passed: no new non-finite value, error <= allowed (when
     given) and, when atol/rtol are given, |a-b| <= atol + rtol*|ref| everywhere."""
-    ref = np.asarray(ref)
-    got = np.asarray(got)
+    ref = as_tensor(ref)
+    got = as_tensor(got)
     error = output_error(ref, got, metric)
     if ref.dtype.kind not in "fc":
         same = bool(np.array_equal(ref, got))

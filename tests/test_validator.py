@@ -179,3 +179,28 @@ def test_a_failing_check_says_what_to_do():
     text = rep.summary()
     assert not rep.passed and "hint: graphmp convert --max-error" in text
     assert "--max-error floor:4" in text and "--metric argmax" in text
+
+
+def test_sequence_of_maps_outputs_are_compared_as_scores(tmp_path):
+    """scikit-learn exports return probabilities through ZipMap: a sequence of {class: score}
+    maps. `check` compares them as [samples, classes] scores (before: an object array that
+    any rounding made 'BAD max-rel inf', a false FAIL)."""
+    import numpy as np
+    from onnx import helper as oh, numpy_helper as nph
+    from graphmp.budget import as_tensor
+    assert as_tensor([{1: 0.25, 0: 0.75}, {0: 0.5, 1: 0.5}]).tolist() == [[0.75, 0.25], [0.5, 0.5]]
+    assert as_tensor([np.ones(2), np.zeros(2)]).shape == (2, 2)
+    w = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    g = oh.make_graph([oh.make_node("MatMul", ["x", "w"], ["logits"]), oh.make_node("Softmax", ["logits"], ["p"]),
+                       oh.make_node("ZipMap", ["p"], ["probs"], domain="ai.onnx.ml", classlabels_int64s=[0, 1, 2])],
+                      "zipmap", [oh.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                      [oh.make_value_info("probs", oh.make_sequence_type_proto(
+                          oh.make_map_type_proto(TensorProto.INT64, oh.make_tensor_type_proto(TensorProto.FLOAT, []))))],
+                      [nph.from_array(w, "w")])
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 15), oh.make_opsetid("ai.onnx.ml", 1)], ir_version=8)
+    src, out = str(tmp_path / "m.onnx"), str(tmp_path / "m.mp.onnx")
+    onnx.save(m, src)
+    graphmp.convert(src, out)
+    res = check(src, out)
+    probs = res.outputs["probs"]
+    assert res.passed and 0 < probs["max_abs"] < 1e-2 and probs["argmax_agree"] == 1.0, probs
