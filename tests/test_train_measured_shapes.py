@@ -172,3 +172,74 @@ def test_measuring_run_impossible_is_one_line_naming_shapes(tmp_path):
     assert "\n" not in msg and "unknown rank" in msg and "--shapes NAME:DIMS" in msg, msg
     assert main(["train-graph", src, "-o", run, "--loss", "mse", "--precision", "fp32",
                  "--shapes", "x:2x2x11x11"]) == 0
+
+
+def runtime_resize_model() -> onnx.ModelProto:
+    """x [N, 2, 4, 4] -> Conv -> Resize (linear) to sizes Concat(Shape(c)[:2], [6, 7]): the
+    sizes are computed at run time (torch's F.interpolate(size=...) export), so onnx inference
+    leaves the output's dims open; SegFormer's decode head does this."""
+    r = np.random.default_rng(3)
+    inits = {"W1": r.standard_normal([3, 2, 3, 3]) * 0.3, "W2": r.standard_normal([7, 2]) * 0.5}
+    nodes = [N("Conv", ["x", "W1"], ["c"], pads=[1, 1, 1, 1]),
+             N("Shape", ["c"], ["s"]), _const("st", [0]), _const("en", [2]), _const("ax", [0]),
+             N("Slice", ["s", "st", "en", "ax"], ["nc"]), _const("hw", [6, 7]),
+             N("Concat", ["nc", "hw"], ["sizes"], axis=0),
+             N("Resize", ["c", "", "", "sizes"], ["rs"], mode="linear"),
+             N("MatMul", ["rs", "W2"], ["y"])]
+    g = helper.make_graph(nodes, "runtime_resize", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                                   ["N", 2, 4, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, "h", 2])],
+                          [numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+def test_resize_to_runtime_sizes_is_measured_and_its_gradient_is_right(tmp_path):
+    """With --shapes, the Resize's output lengths are measured (its batch named after the
+    input's, which it follows); the CLI SGD step equals finite differences, and the step runs
+    at another batch size."""
+    model = runtime_resize_model()
+    src = str(tmp_path / "model.onnx")
+    onnx.save(model, src)
+    x = np.random.default_rng(4).standard_normal([2, 2, 4, 4]).astype(np.float32)
+    y = ort_session(model).run(["y"], {"x": x})[0]
+    labels = (y + np.random.default_rng(5).standard_normal(y.shape)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", x=x, labels=labels)
+    run = str(tmp_path / "run")
+    assert main(["train-graph", src, "-o", run, "--loss", "mse", "--optimizer", "sgd", "--lr", str(LR),
+                 "--momentum", "0", "--weight-decay", "0", "--precision", "fp32", "--loss-scale", "1",
+                 "--shapes", "x:2x2x4x4", "--label-shape", "N,3,6,2"]) == 0
+    assert main(["train", run, "--data", str(tmp_path / "data.npz"), "--epochs", "1", "--batch-size", "2",
+                 "-q"]) == 0
+    out = str(tmp_path / "trained.onnx")
+    assert main(["export", run, "-o", out]) == 0
+    before = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    after = {t.name: numpy_helper.to_array(t) for t in onnx.load(out).graph.initializer}
+    for w in ("W1", "W2"):
+        step = (before[w].astype(np.float64) - after[w]) / LR
+        loss = _losses(model, x, labels.astype(np.float64), w)
+        fd = np.zeros(before[w].size)
+        for i in range(before[w].size):
+            plus, minus = before[w].copy(), before[w].copy()
+            plus.flat[i] += H
+            minus.flat[i] -= H
+            fd[i] = (loss(plus) - loss(minus)) / (2 * H)
+        assert np.abs(fd).max() > 1e-3
+        np.testing.assert_allclose(step.reshape(-1), fd, rtol=1e-3, atol=1e-3 * np.abs(fd).max())
+    x3 = np.random.default_rng(6).standard_normal([3, 2, 4, 4]).astype(np.float32)
+    y3 = ort_session(model).run(["y"], {"x": x3})[0]
+    np.savez(tmp_path / "d3.npz", x=x3, labels=y3)
+    assert main(["train", run, "--data", str(tmp_path / "d3.npz"), "--batch-size", "3", "--no-resume", "-q"]) == 0
+
+
+def test_a_model_that_fails_onnxs_checker_is_one_line(tmp_path, capsys):
+    """A graph output typed without a shape (the checker requires one): train-graph names the
+    checker's complaint and writes nothing, instead of a traceback from the final save."""
+    m = runtime_resize_model()
+    m.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.FLOAT, None))
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    run = str(tmp_path / "run")
+    assert main(["train-graph", str(tmp_path / "m.onnx"), "-o", run, "--loss", "mse", "--precision", "fp32",
+                 "--shapes", "x:2x2x4x4", "--label-shape", "N,3,6,2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "fails onnx's checker" in err and "Field 'shape'" in err, err
+    assert not (tmp_path / "run" / "train.json").exists()

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ..errors import GraphmpError
 from ..io import iter_graphs, save_model
 
 
@@ -156,7 +157,22 @@ def prune(model) -> None:
         model.graph.initializer.extend(inits)
 
 
-def save_checked(model, path):
-    """Full ONNX check, then an atomic save (inline tensors)."""
-    onnx.checker.check_model(model, full_check=True)
+def save_checked(model, path, full: bool = True):
+    """ONNX check (full: with strict shape inference), then an atomic save (inline tensors).
+    A model that fails it is a GraphmpError naming the file (nothing is written)."""
+    try:
+        onnx.checker.check_model(model, full_check=full)
+    except onnx.checker.ValidationError as e:
+        raise GraphmpError(f"{path}: the graph train-graph built fails onnx's checker "
+                           f"({str(e).strip().splitlines()[0][:200]}); this is a graphmp bug: please report it "
+                           "with the model.") from None
     save_model(model, path, None, None, external=False)
+
+
+def passes_full_check(model) -> str | None:
+    """None when the model passes onnx's full check, else the checker's first line."""
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as e:  # noqa: BLE001 - the checker raises ValidationError and InferenceError
+        return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return None

@@ -97,8 +97,12 @@ def _free_groups(specs, plan_shapes: dict) -> list[tuple[str, list, int]]:
     return out
 
 
-def declare_measured(model: onnx.ModelProto, shapes=None, *, where: str = "<model>", base_dir=None) -> dict:
-    """Declare value_info (in place) for the main-graph tensors whose rank onnx inference loses.
+def declare_measured(model: onnx.ModelProto, shapes=None, *, where: str = "<model>", base_dir=None,
+                     need_static=()) -> dict:
+    """Declare value_info (in place) for the main-graph tensors whose rank onnx inference loses,
+    and for the tensors in `need_static` whose dims it leaves open (a Resize to sizes computed
+    at run time: its gradient needs the lengths; given when the inputs are pinned, so every
+    measured dim is a number).
 
     Needs: a model ONNX Runtime can run (its initializers inline or under base_dir); `shapes`:
     --shapes syntax or {name: dims}, required for the input dims find_shapes cannot guess.
@@ -113,6 +117,8 @@ def declare_measured(model: onnx.ModelProto, shapes=None, *, where: str = "<mode
     from ..oracle import runner
     info = tensor_info(model)
     wanted = unknown_rank_tensors(model, info)
+    wanted += [t for t in dict.fromkeys(need_static) if t and t not in wanted and t in info
+               and not all(isinstance(d, int) for d in (info[t][1] or [None]))]
     report = {"tensors": 0, "static_dims": False, "shapes": None, "note": None}
     if not wanted:
         return report
@@ -128,28 +134,42 @@ def declare_measured(model: onnx.ModelProto, shapes=None, *, where: str = "<mode
         return report
     report["shapes"] = {n: list(s) for n, s in plan.shapes.items()}
     specs = input_specs(model)
-    variants, static = [], True
+    variants, static, moved = [], True, []
     for key, positions, size in _free_groups(specs, plan.shapes):
         shp = {n: list(s) for n, s in plan.shapes.items()}
         for name, axis in positions:
             shp[name][axis] = size
         try:
             variants.append(_run(run, generate(specs, shp, 0, plan.hints)))
+            moved.append((key, plan.shapes[positions[0][0]][positions[0][1]], size))
         except Exception as e:  # noqa: BLE001 - the model does not run at that size: rank only
             static = False
             report["note"] = f"dims left unknown: no run with free dim '{key}' = {size} ({first_line(e, 120)})"
             break
     report["static_dims"] = static
-    declared = _declare(model, base, variants if static else None)
+    declared = _declare(model, base, variants if static else None, moved)
     report["tensors"] = declared
     return report
 
 
-def _declare(model: onnx.ModelProto, base: dict, variants: list | None) -> int:
+def _tracked(base: int, values: list, moved: list):
+    """The name of the free input dim a measured dim equals in every run (it was that dim's
+    planned size in the base run, its trial size in that dim's run, unchanged in the others),
+    or None. Unnamed input dims ('x[0]') give None."""
+    for k, (key, planned, trial) in enumerate(moved):
+        if base == planned and values[k] == trial and all(v == base for j, v in enumerate(values) if j != k):
+            return key if "[" not in key else None
+    return None
+
+
+def _declare(model: onnx.ModelProto, base: dict, variants: list | None, moved=()) -> int:
     """value_info for every measured tensor (a graph output's own type where it is one);
-    dims kept where equal in `base` and every variant (None: rank only). Returns the count."""
+    dims kept where equal in `base` and every variant, named after the free input dim they
+    follow when they follow one (the batch of a Resize output: the gradient sees that it is
+    not resized), else unknown (variants None: rank only). Returns the count."""
     outputs = {v.name: v for v in model.graph.output}
     n = 0
+    kept = {}
     for t, (elem, shape) in base.items():
         if variants is None:
             dims = [None] * len(shape)
@@ -158,8 +178,10 @@ def _declare(model: onnx.ModelProto, base: dict, variants: list | None) -> int:
             if any(o is None or len(o) != len(shape) for o in others):
                 dims = [None] * len(shape)
             else:
-                dims = [d if all(o[i] == d for o in others) else None for i, d in enumerate(shape)]
+                dims = [d if all(o[i] == d for o in others) else _tracked(d, [o[i] for o in others], list(moved))
+                        for i, d in enumerate(shape)]
         _set_type(model, outputs, t, elem, dims)
+        kept[t] = dims
         n += 1
     # onnx inference from the declared tensors derives dims of its own (a MatMul's features, a
     # Conv's channels, the input's symbolic batch): taken where the measurement left a dim open
@@ -167,8 +189,9 @@ def _declare(model: onnx.ModelProto, base: dict, variants: list | None) -> int:
     for t, (elem, shape) in base.items():
         got = info.get(t, (None, None))[1]
         if got is not None and len(got) == len(shape):  # onnx's own 'unk__N' names mean nothing
-            _set_type(model, outputs, t, elem, [None if isinstance(d, str) and d.startswith("unk__") else d
-                                                for d in got])
+            _set_type(model, outputs, t, elem, [m if m is not None else
+                                                None if isinstance(d, str) and d.startswith("unk__") else d
+                                                for m, d in zip(kept[t], got)])
     return n
 
 

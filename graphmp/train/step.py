@@ -54,6 +54,7 @@ import os
 import re
 
 import numpy as np
+import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GraphmpError
@@ -61,8 +62,8 @@ from ..io import iter_graphs, load_model, save_npz, tensor_array, write_json
 from ..opset import upgrade
 from ..passes.prepare import initializers_out_of_inputs
 from . import losses, optim, source
-from .builder import (Builder, all_names, ancestors, dims, elem_name, lift_to_inputs, producer, prune, save_checked,
-                      value_info)
+from .builder import (Builder, all_names, ancestors, dims, elem_name, lift_to_inputs, passes_full_check, producer,
+                      prune, save_checked, value_info)
 from .losses import LOSS, LOSSES  # noqa: F401  (re-exported)
 from .optim import ACCUM, ACCUM_COUNT, OPTIMIZERS, SCHEDULES
 from .ort_checks import calibration_batch, check_runs
@@ -268,7 +269,9 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
     # ranks that onnx inference loses (a Reshape to a computed shape): measured in ONNX Runtime at
     # the build's shapes and declared, dims only where they do not follow the free input dims
     from .measure import declare_measured, with_measure_note
-    measured = declare_measured(fwd, shapes, where=path, base_dir=base)
+    pinned = [t for n in fwd.graph.node if _needs_static_lengths(n) for t in (n.input[0], n.output[0])] \
+        if cfg.get("pinned_shapes") else []
+    measured = declare_measured(fwd, shapes, where=path, base_dir=base, need_static=pinned)
     if measured["tensors"] or measured["note"]:
         cfg["measured_shapes"] = measured  # train.json: how many tensors, at which shapes, or why not
     out_vi = value_info(src, out_name)
@@ -390,6 +393,19 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
 
     shared = source.shared_weights(src, weights)
     warning = source.eval_export_warning(src, path)
+    # a source that onnx's full check refuses (ONNX Runtime may run it all the same): its step
+    # graph cannot pass that check either, so it gets the basic check (and the ORT load above)
+    src_check = passes_full_check(src)
+    if src_check is not None:
+        try:
+            onnx.checker.check_model(src)
+        except onnx.checker.ValidationError as e:
+            raise GraphmpError(f"{path}: the model fails onnx's checker ({str(e).strip().splitlines()[0][:200]}); "
+                               "fix the model (onnx.checker.check_model names the problem), then build its "
+                               "training step.") from None
+    checked = [] if src_check is None else [
+        f"{path}: the model fails onnx's full check ({src_check}); its step graph was checked with onnx's "
+        "basic checker and loaded in ONNX Runtime"]
     meta = {
         "format": FORMAT, "source": os.path.abspath(path), "step_model": "step.onnx", "infer_model": "infer.onnx",
         "initial_state": "state.npz", "inputs": {n: dims(value_info(src, n)) for n in data_inputs},
@@ -400,15 +416,15 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
         "state": [{"input": n, "output": n + NEXT, "kind": k} for n, k in state],
         "weights": weights, "bn_stats": bn_stats, "dynamic_scale": dynamic, "untied": untied,
         "constant_weights": constants, "shared_weights": shared,
-        "warnings": [warning] if warning else [],
+        "warnings": ([warning] if warning else []) + checked,
         "grads": {w: w + GRAD for w in weights} if expose_grads else {},
         "nodes": {"forward": n_before, "total": len(g.node)}, "config": cfg,
         "convert": None if convert_report is None else {
             k: convert_report.get(k) for k in ("nodes", "casts_added", "fp32_by_reason", "calibration")},
     }
     _clear_run_dir(out_dir)
-    save_checked(fwd, os.path.join(out_dir, "step.onnx"))
-    save_checked(infer, os.path.join(out_dir, "infer.onnx"))
+    save_checked(fwd, os.path.join(out_dir, "step.onnx"), full=src_check is None)
+    save_checked(infer, os.path.join(out_dir, "infer.onnx"), full=src_check is None)
     save_npz(os.path.join(out_dir, "state.npz"), init)
     write_json(os.path.join(out_dir, "train.json"), meta)
     return meta

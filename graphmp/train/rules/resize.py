@@ -113,9 +113,11 @@ def _plan(em: Emitter, node) -> dict[int, np.ndarray]:
     elif cv is not None and cv.size:
         factors = [float(v) for v in cv.reshape(-1)]
         outs = [None] * len(axes)
-    elif sizes and all(isinstance((em.dims(node.output[0]) or [None] * rank)[a], int) for a in axes):
+    elif sizes and all(isinstance(o, int) or (o is not None and o == dims[a])
+                       for a, o in zip(axes, [(em.dims(node.output[0]) or [None] * rank)[a] for a in axes])):
         # sizes computed at run time (torch: Concat(Shape(x)[:2], [H', W'])) but shape
-        # inference knows the output: ORT's scale is then out/in as well
+        # inference (or train-graph's measurement) knows the output: each axis static, or the
+        # same free dim as the input's (the batch: copied); ORT's scale is then out/in as well
         outs = [em.dims(node.output[0])[a] for a in axes]
         factors = [None] * len(axes)
     else:
