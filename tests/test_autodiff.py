@@ -1018,8 +1018,8 @@ def test_reduce_max_splits_ties_evenly():
 
 
 @pytest.mark.parametrize("nodes,inits,match", [
-    ([N("Resize", ["x", "", "sc"], ["y"], mode="cubic", name="up")], {"sc": np.array([1, 1, 2, 2], np.float32)},
-     r"node 'up' \(Resize\): mode=cubic is not differentiated"),
+    ([N("Resize", ["x", "", "sc"], ["y"], mode="cubic", antialias=1, name="up")],
+     {"sc": np.array([1, 1, 0.5, 0.5], np.float32)}, r"node 'up' \(Resize\): antialias=1 with downsampling"),
     ([N("Shape", ["x"], ["s"]), N("Mul", ["s", "two"], ["s2"]), N("Resize", ["x", "", "", "s2"], ["y"], name="up")],
      {"two": _i64(2)}, r"node 'up' \(Resize\): its scales/sizes are computed at run time"),
     ([N("Resize", ["x", "", "sc"], ["y"], coordinate_transformation_mode="tf_crop_and_resize", name="up")],

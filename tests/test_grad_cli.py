@@ -101,6 +101,12 @@ def _ops():
         Op("Resize-linear-sizes-align", [N("Resize", ["t", "", "", "s"], ["y"], mode="linear",
                                            coordinate_transformation_mode="align_corners")],
            x4("rla"), consts={"s": i64([BATCH, 2, 7, 3])}, opset=13),
+        Op("Resize-cubic-scales", [N("Resize", ["t", "", "s"], ["y"], mode="cubic")], x4("rc"),
+           consts={"s": f32([1, 1, 2, 1.5])}, opset=13),  # DINOv2/YOLOS position-embedding interpolation
+        Op("Resize-cubic-sizes-exclude-outside", [N("Resize", ["t", "", "", "s"], ["y"], mode="cubic",
+                                                    exclude_outside=1, cubic_coeff_a=-0.5,
+                                                    coordinate_transformation_mode="pytorch_half_pixel")],
+           x4("rce"), consts={"s": i64([BATCH, 2, 3, 7])}, opset=13),
         *[Op(f"DepthToSpace-{m}", [N("DepthToSpace", ["t"], ["y"], blocksize=2, mode=m)],
              _away("d2s" + m, BATCH, 8, 2, 3)) for m in ("DCR", "CRD")],
         Op("SpaceToDepth", [N("SpaceToDepth", ["t"], ["y"], blocksize=2)], x4("s2d")),

@@ -25,7 +25,8 @@ from onnx import helper
 from ..errors import GraphmpError, first_line
 from .emitter import tensor_info
 
-__all__ = ["declare_measured", "measured_dims", "unknown_rank_tensors", "with_measure_note"]
+__all__ = ["declare_measured", "declared_dims", "measured_dims", "redeclare", "unknown_rank_tensors",
+           "with_measure_note"]
 
 
 def unknown_rank_tensors(model: onnx.ModelProto, info: dict | None = None) -> list[str]:
@@ -206,6 +207,31 @@ def _set_type(model, outputs: dict, t: str, elem: int, dims) -> None:
             v.type.CopyFrom(vi.type)
             return
     model.graph.value_info.append(vi)
+
+
+def declared_dims(model: onnx.ModelProto) -> dict:
+    """{tensor: dims} of the main graph's value_info (what declare_measured wrote), to carry
+    over a rewrite that drops value_info (graphmp.convert re-derives its own)."""
+    out = {}
+    for v in model.graph.value_info:
+        if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape"):
+            out[v.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                           for d in v.type.tensor_type.shape.dim]
+    return out
+
+
+def redeclare(model: onnx.ModelProto, dims: dict) -> int:
+    """Declare `dims` (declared_dims of the model before a rewrite) again for the tensors the
+    rewritten model still has, with their element type now (FP16 after a conversion);
+    returns how many."""
+    info = tensor_info(model)
+    outputs = {v.name: v for v in model.graph.output}
+    n = 0
+    for t, d in dims.items():
+        if t in info and info[t][0]:
+            _set_type(model, outputs, t, info[t][0], d)
+            n += 1
+    return n
 
 
 def with_measure_note(e: GraphmpError, report: dict, path: str) -> GraphmpError:

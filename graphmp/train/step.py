@@ -94,6 +94,16 @@ def _needs_static_lengths(node) -> bool:
     return pad in (b"SAME_UPPER", b"SAME_LOWER")
 
 
+def _static_length_tensors(model, cfg) -> list:
+    """With pinned input sizes (for a node whose gradient needs static lengths: Resize, SAME
+    padding): every node output, for declare_measured to measure those whose lengths onnx
+    inference leaves open (sizes computed at run time). All, not only those nodes' inputs,
+    because the conversion of a mixed step may drop a Cast between them and their producer."""
+    if not cfg.get("pinned_shapes"):
+        return []
+    return [t for n in model.graph.node for t in n.output if t]
+
+
 # files of a run folder that --force removes before writing the new run (train.json first)
 RUN_FILES = ("train.json", "checkpoint.json", "ckpt-*.npz", "summary.json", "loss.png", "step.onnx",
              "state.npz", "infer.onnx")
@@ -268,10 +278,8 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
         cfg["pinned_shapes"] = shapes if isinstance(shapes, str) else {k: list(v) for k, v in shapes.items()}
     # ranks that onnx inference loses (a Reshape to a computed shape): measured in ONNX Runtime at
     # the build's shapes and declared, dims only where they do not follow the free input dims
-    from .measure import declare_measured, with_measure_note
-    pinned = [t for n in fwd.graph.node if _needs_static_lengths(n) for t in (n.input[0], n.output[0])] \
-        if cfg.get("pinned_shapes") else []
-    measured = declare_measured(fwd, shapes, where=path, base_dir=base, need_static=pinned)
+    from .measure import declare_measured, declared_dims, redeclare, with_measure_note
+    measured = declare_measured(fwd, shapes, where=path, base_dir=base, need_static=_static_length_tensors(fwd, cfg))
     if measured["tensors"] or measured["note"]:
         cfg["measured_shapes"] = measured  # train.json: how many tensors, at which shapes, or why not
     out_vi = value_info(src, out_name)
@@ -320,9 +328,12 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
         if cal is None:
             cal = [calibration_batch(src, base, shapes, path, cfg, label_dims, label_elem,
                                       {w: values[w] for w in weights + bn_stats})]
+        carried = declared_dims(fwd) if measured["tensors"] else {}
         rep = convert(fwd, calibration=cal, keep_io_types=True,
                       **({"target": "bf16"} if cfg["precision"] == "bf16" else {}))
         fwd, convert_report = rep.model, rep.to_dict()
+        if carried:  # convert re-derives value_info, dropping what was measured: declared again
+            redeclare(fwd, carried)
 
     # --- backward, loss scaling, optimizer ----------------------------------------------
     b = Builder(fwd)

@@ -1,10 +1,12 @@
 """Gradient rule of Resize: the transpose of the interpolation.
 
-Resize in modes `nearest` and `linear` is separable: along every resized axis, each output
+Resize in modes `nearest`, `linear` and `cubic` is separable: along every resized axis, each output
 element is a fixed combination of input elements, Y = A_d X along axis d with A_d an
 [out, in] matrix that depends only on the sizes and the attributes. `_axis_matrix` builds
 A_d in numpy, with ONNX Runtime's arithmetic (coordinates in float32, linear weights from
-the clamped coordinate, nearest indices clamped to the input); the gradient applies the
+the clamped coordinate, nearest indices clamped to the input, cubic: Keys weights with
+cubic_coeff_a on 4 edge-padded taps, or renormalised over the taps inside with
+exclude_outside); the gradient applies the
 transposes: dX = dY contracted with A_d along every resized axis (a MatMul per axis, with a
 Transpose moving that axis last and back).
 
@@ -14,7 +16,7 @@ output's length along every resized axis), coordinate_transformation_mode half_p
 align_corners, asymmetric, tf_half_pixel_for_nn, half_pixel_symmetric, every nearest_mode,
 the `axes` attribute, keep_aspect_ratio_policy=stretch. The input's length along every
 resized axis must be static. An axis with scale 1 is copied (as ONNX Runtime does, even
-for tf_half_pixel_for_nn, whose formula would shift it). Not supported (GraphmpError naming the node): cubic mode,
+for tf_half_pixel_for_nn, whose formula would shift it). Not supported (GraphmpError naming the node):
 tf_crop_and_resize, antialias=1 when downsampling, scales/sizes computed at run time.
 """
 from __future__ import annotations
@@ -68,11 +70,32 @@ def _nearest(x: np.ndarray, nearest_mode: str) -> np.ndarray:
     return np.where(tie, fl, np.round(x))  # round_prefer_floor
 
 
-def _axis_matrix(mode: str, coord: str, nearest_mode: str, in_len: int, out_len: int, scale) -> np.ndarray:
+def _cubic_weights(t: np.ndarray, a: float) -> np.ndarray:
+    """[len(t), 4] Keys cubic convolution weights of the taps at floor(x)-1 .. floor(x)+2 for
+    the fractional position t = x - floor(x) (ONNX Resize, cubic_coeff_a = a)."""
+    t = t[:, None] + np.array([1.0, 0.0, -1.0, -2.0])  # distance of each tap
+    d = np.abs(t)
+    near = ((a + 2) * d - (a + 3)) * d * d + 1           # |d| <= 1
+    far = ((a * d - 5 * a) * d + 8 * a) * d - 4 * a     # 1 < |d| < 2
+    return np.where(d <= 1, near, np.where(d < 2, far, 0.0))
+
+
+def _axis_matrix(mode: str, coord: str, nearest_mode: str, in_len: int, out_len: int, scale,
+                 cubic_a: float = -0.75, exclude_outside: bool = False) -> np.ndarray:
     """A [out_len, in_len]: Y = A @ X along one axis."""
     a = np.zeros((out_len, in_len))
     xo = _original_coord(coord, out_len, in_len, np.float32(scale))
     rows = np.arange(out_len)
+    if mode == "cubic":  # 4 taps around x, edge-padded (or dropped and renormalised: exclude_outside)
+        x = xo.astype(np.float64)
+        base = np.floor(x)
+        w = _cubic_weights(x - base, cubic_a)
+        taps = base[:, None].astype(np.int64) + np.arange(-1, 3)
+        if exclude_outside:
+            w = np.where((taps < 0) | (taps >= in_len), 0.0, w)
+            w = w / w.sum(axis=1, keepdims=True)
+        np.add.at(a, (np.repeat(rows, 4), np.clip(taps, 0, in_len - 1).reshape(-1)), w.reshape(-1))
+        return a
     if mode == "nearest":
         idx = np.clip(_nearest(xo, nearest_mode), 0, in_len - 1).astype(np.int64)
         a[rows, idx] = 1.0
@@ -93,9 +116,9 @@ def _plan(em: Emitter, node) -> dict[int, np.ndarray]:
     mode = _text(node, "mode", "nearest")
     coord = _text(node, "coordinate_transformation_mode", "half_pixel")
     nearest_mode = _text(node, "nearest_mode", "round_prefer_floor")
-    if mode not in ("nearest", "linear"):
-        raise GraphmpError(f"{where}: mode={mode} is not differentiated (nearest and linear are); "
-                           "export the model with nearest or (bi)linear interpolation")
+    if mode not in ("nearest", "linear", "cubic"):
+        raise GraphmpError(f"{where}: mode={mode} is not differentiated (nearest, linear and cubic are); "
+                           "export the model with nearest, (bi)linear or (bi)cubic interpolation")
     if coord == "tf_crop_and_resize":
         raise GraphmpError(f"{where}: coordinate_transformation_mode=tf_crop_and_resize is not differentiated")
     if _text(node, "keep_aspect_ratio_policy", "stretch") != "stretch":
@@ -140,7 +163,8 @@ def _plan(em: Emitter, node) -> dict[int, np.ndarray]:
             scale = np.float32(out) / np.float32(n)
         if attr(node, "antialias", 0) and out < n:
             raise GraphmpError(f"{where}: antialias=1 with downsampling is not differentiated")
-        plan[ax] = _axis_matrix(mode, coord, nearest_mode, n, out, scale)
+        plan[ax] = _axis_matrix(mode, coord, nearest_mode, n, out, scale, float(attr(node, "cubic_coeff_a", -0.75)),
+                                bool(attr(node, "exclude_outside", 0)))
     return plan
 
 
