@@ -200,8 +200,10 @@ def _batches(ref, data, shapes, seed, run_ref):
     specs = input_specs(ref)
     if data is None:
         plan = find_shapes(ref, run_ref, shapes, where="check")
-        return [plan.feeds(seed)], (f"generated ({plan.describe()}; shapes {plan.how}; floats ~N(0,1): --data with "
-                                    "real inputs checks the range the model will really see)")
+        ids = [n for n, h in plan.hints.items() if isinstance(h, dict)]
+        ids = f"; {', '.join(ids)} uniform over the rows they index" if ids else ""
+        return [plan.feeds(seed)], (f"generated ({plan.describe()}; shapes {plan.how}; floats ~N(0,1){ids}: --data "
+                                    "with real inputs checks the range the model will really see)")
     out = [feeds for _, feeds in user_batches(data, specs, "--data")]
     return out, f"{len(out)} batch(es) of user data"
 

@@ -20,7 +20,8 @@ How a dynamic dim gets its size:
      The first assignment that runs wins. Then batch 2 is tried, so calibration can
      see two batch sizes where the model allows it (a fixed-batch state pins it).
   If nothing runs, a one-line error says what was tried and names --shapes.
-Values: floats N(0,1); integers 0/1 (ones for names with 'mask'); booleans random;
+Values: floats N(0,1); integers 0/1 (ones for names with 'mask'), or uniform over the rows
+of the constant table they index (token ids into an embedding); booleans random;
 an integer scalar that the graph compares with a constant (Equal(sr, 16000) choosing an
 If branch) gets that constant, so the real branch runs; integer lengths (names like
 'lens', 'lengths', 'seq_len') hold the full length of the other inputs.
@@ -198,8 +199,17 @@ _COMPARE = {"Equal"}
 def value_hints(model: onnx.ModelProto) -> dict:
     """{input: value} for integer inputs of at most one element that the main graph
     compares (Equal, through Cast/Reshape-like nodes) with a one-element constant:
-    mode selectors such as a sample rate that chooses an If branch."""
-    g = model.graph
+    mode selectors such as a sample rate that chooses an If branch; and {input: {"below":
+    rows}} for integer inputs that index a constant table (Gather's indices, through the same
+    nodes): token ids into an embedding, drawn uniformly over its rows, so calibration sees
+    many different rows, not only rows 0 and 1 (a vocabulary larger than the tokens
+    generated is still only sampled: real data, --calibration, covers the real tokens)."""
+    hints = _index_ranges(model)
+    hints.update(_selector_values(model))
+    return hints
+
+
+def _consts_and_users(g):
     consts = {t.name: t for t in g.initializer}
     for n in g.node:
         if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
@@ -208,6 +218,34 @@ def value_hints(model: onnx.ModelProto) -> dict:
     for n in g.node:
         for x in n.input:
             users.setdefault(x, []).append(n)
+    return consts, users
+
+
+def _index_ranges(model: onnx.ModelProto) -> dict:
+    consts, users = _consts_and_users(model.graph)
+    out = {}
+    for s in input_specs(model):
+        if s.elem not in INT_ELEMS or "mask" in s.name.lower() or _LENGTHS.search(s.name):
+            continue
+        frontier, seen, rows = [s.name], set(), []
+        while frontier:
+            x = frontier.pop()
+            seen.add(x)
+            for n in users.get(x, []):
+                if n.op_type in _PASS_THROUGH:
+                    frontier.extend(o for o in n.output[:1] if o not in seen)
+                elif n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == x and n.input[0] in consts:
+                    axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+                    dims = list(consts[n.input[0]].dims)
+                    if -len(dims) <= axis < len(dims) and dims[axis] > 0:
+                        rows.append(int(dims[axis]))
+        if rows:
+            out[s.name] = {"below": min(rows)}  # valid for every table it indexes
+    return out
+
+
+def _selector_values(model: onnx.ModelProto) -> dict:
+    consts, users = _consts_and_users(model.graph)
     hints = {}
     for s in input_specs(model):
         if s.elem not in INT_ELEMS or any(isinstance(d, int) and d > 1 for d in s.dims) or len(s.dims) > 1:
@@ -239,7 +277,9 @@ def generate(specs: list[Spec], shapes: dict, seed: int = 0, hints: dict | None 
     feeds = {}
     for s in specs:
         shape = tuple(shapes[s.name])
-        if s.name in hints:
+        if isinstance(hints.get(s.name), dict):  # indices into a table of that many rows
+            feeds[s.name] = rng.integers(0, hints[s.name]["below"], shape).astype(s.dtype)
+        elif s.name in hints:
             feeds[s.name] = np.full(shape, hints[s.name], dtype=s.dtype)
         elif s.elem in INT_ELEMS and _LENGTHS.search(s.name):
             feeds[s.name] = np.full(shape, full, dtype=s.dtype)

@@ -172,3 +172,29 @@ def test_probe_reduces_each_tensor_right_after_its_producer_and_never_returns_it
     cal = calibrate(ctx.model, ctx.types, data=[{"x": np.ones((2, 8), np.float32)}])
     want = np.abs(run_ort(m, {"x": np.ones((2, 8), np.float32)})["y"]).max()
     assert cal.proven_types == {"f": F32} and cal.ranges[("main", "f")] >= want > 10
+
+
+def test_generated_token_ids_cover_the_embedding_table():
+    """Token ids that index an embedding (Gather on a constant table) are generated uniformly
+    over its rows, not 0/1: a row holding large values (row 5 of 8: |x| = 1000) is reached by
+    calibration and the MatMul reading its projection stays FP32 (with ids 0/1 it never was,
+    the MatMul was FP16, and token 5 overflowed it)."""
+    from graphmp.inputs import generate, input_specs, value_hints
+    table = _w(1, [8, 8], 0.5)
+    table[5] = 1000.0
+    nodes = [oh.make_node("Cast", ["ids"], ["ids64"], to=TP.INT64),
+             oh.make_node("Gather", ["table", "ids64"], ["emb"], name="embed"),
+             oh.make_node("MatMul", ["emb", "w"], ["h"], name="proj"),
+             oh.make_node("MatMul", ["h", "w2"], ["y"], name="out")]
+    g = oh.make_graph(nodes, "emb", [_vi("ids", ["N", "T"], TP.INT32)], [_vi("y", ["N", "T", 8])],
+                      [nph.from_array(table, "table"), nph.from_array(_w(2, [8, 8], 20.0), "w"),
+                       nph.from_array(_w(3, [8, 8], 0.1), "w2")])
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)], ir_version=8)
+    assert value_hints(m) == {"ids": {"below": 8}}
+    feeds = generate(input_specs(m), {"ids": (2, 64)}, 0, value_hints(m))
+    assert feeds["ids"].dtype == np.int32 and sorted(np.unique(feeds["ids"])) == list(range(8))
+    rep = graphmp.convert(m, None)
+    reasons = {n["name"]: n["reason"] for n in rep.to_dict()["fp32_nodes"]}
+    assert reasons.get("out", "").startswith("range:"), reasons  # |h| reaches ~1e4 on row 5
+    ids = np.full((1, 4), 5, np.int32)
+    assert np.isfinite(run_reference(rep.model, {"ids": ids})["y"]).all()
