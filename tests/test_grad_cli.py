@@ -157,6 +157,23 @@ def _losses(model: onnx.ModelProto, x, labels, wrt: str):
     return loss
 
 
+def check_step(model, x, labels, before: dict, after: dict, weights, what: str):
+    """(before - after) / LR of every weight in `weights` (one SGD step of the CLI) equals
+    central differences of the mse on the original model (tolerances: module docstring)."""
+    for w in weights:
+        step = (before[w].astype(np.float64) - after[w]) / LR
+        loss = _losses(model, x, labels.astype(np.float64), w)
+        fd = np.zeros(before[w].size)
+        for i in range(before[w].size):
+            plus, minus = before[w].copy(), before[w].copy()
+            plus.flat[i] += H
+            minus.flat[i] -= H
+            fd[i] = (loss(plus) - loss(minus)) / (2 * H)
+        assert np.abs(fd).max() > 1e-3, f"{what}: the loss does not depend on {w}; the check is vacuous"
+        np.testing.assert_allclose(step.reshape(-1), fd, rtol=1e-3, atol=1e-3 * np.abs(fd).max(),
+                                   err_msg=f"{what}: -lr * dloss/d{w} from the CLI step")
+
+
 @pytest.mark.parametrize("op", OPS, ids=[o.id for o in OPS])
 def test_cli_sgd_step_matches_finite_differences(op, tmp_path):
     model = op.model()
@@ -175,17 +192,6 @@ def test_cli_sgd_step_matches_finite_differences(op, tmp_path):
     assert main(["export", run, "-o", out]) == 0
     after = {t.name: numpy_helper.to_array(t) for t in onnx.load(out).graph.initializer}
     weights = ["W", *op.weights]
-    for w in weights:
-        step = (before[w].astype(np.float64) - after[w]) / LR
-        loss = _losses(model, op.x, labels.astype(np.float64), w)
-        fd = np.zeros(before[w].size)
-        for i in range(before[w].size):
-            plus, minus = before[w].copy(), before[w].copy()
-            plus.flat[i] += H
-            minus.flat[i] -= H
-            fd[i] = (loss(plus) - loss(minus)) / (2 * H)
-        assert np.abs(fd).max() > 1e-3, f"{op.id}: the loss does not depend on {w}; the check is vacuous"
-        np.testing.assert_allclose(step.reshape(-1), fd, rtol=1e-3, atol=1e-3 * np.abs(fd).max(),
-                                   err_msg=f"{op.id}: -lr * dloss/d{w} from the CLI step")
+    check_step(model, op.x, labels, before, after, weights, op.id)
     for name in set(before) - set(weights):  # constants (pads, scales, axes) are untouched
         assert np.array_equal(before[name], after[name]), name

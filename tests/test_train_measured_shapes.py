@@ -25,10 +25,9 @@ from graphmp.oracle import ort_session
 from graphmp.train.autodiff import add_backward
 from graphmp.train.measure import declare_measured, unknown_rank_tensors
 from graphmp.train.step import build_step
+from test_grad_cli import LR, check_step
 
 N = helper.make_node
-LR = 0.5
-H = 1e-2
 LOST = ["r", "c2", "a", "p", "f"]  # the tensors whose rank onnx inference loses
 
 
@@ -79,20 +78,6 @@ def test_declared_ranks_keep_only_dims_that_do_not_follow_the_free_dims():
     assert all(vi[t].elem_type == TensorProto.FLOAT for t in LOST)
 
 
-def _losses(model, x, labels, wrt):
-    """loss(W) on the original model (ORT, FP32), W fed as an input; FP64 mse of y."""
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    init = next(t for t in m.graph.initializer if t.name == wrt)
-    m.graph.input.append(helper.make_tensor_value_info(wrt, init.data_type, list(init.dims)))
-    sess = ort_session(m)
-
-    def loss(w):
-        y = sess.run(["y"], {"x": x, wrt: w})[0].astype(np.float64)
-        return float(np.mean((y - labels) ** 2))
-    return loss
-
-
 def test_cli_sgd_step_matches_finite_differences(tmp_path):
     model = lost_rank_model()
     src = str(tmp_path / "model.onnx")
@@ -113,18 +98,7 @@ def test_cli_sgd_step_matches_finite_differences(tmp_path):
     out = str(tmp_path / "trained.onnx")
     assert main(["export", run, "-o", out]) == 0
     after = {t.name: numpy_helper.to_array(t) for t in onnx.load(out).graph.initializer}
-    for w in ("W1", "B1", "W2", "W3"):
-        step = (before[w].astype(np.float64) - after[w]) / LR
-        loss = _losses(model, x, labels.astype(np.float64), w)
-        fd = np.zeros(before[w].size)
-        for i in range(before[w].size):
-            plus, minus = before[w].copy(), before[w].copy()
-            plus.flat[i] += H
-            minus.flat[i] -= H
-            fd[i] = (loss(plus) - loss(minus)) / (2 * H)
-        assert np.abs(fd).max() > 1e-3, f"the loss does not depend on {w}; the check is vacuous"
-        np.testing.assert_allclose(step.reshape(-1), fd, rtol=1e-3, atol=1e-3 * np.abs(fd).max(),
-                                   err_msg=f"-lr * dloss/d{w} from the CLI step")
+    check_step(model, x, labels, before, after, ("W1", "B1", "W2", "W3"), "lost-rank model")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "mixed"])
@@ -214,17 +188,7 @@ def test_resize_to_runtime_sizes_is_measured_and_its_gradient_is_right(tmp_path)
     assert main(["export", run, "-o", out]) == 0
     before = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     after = {t.name: numpy_helper.to_array(t) for t in onnx.load(out).graph.initializer}
-    for w in ("W1", "W2"):
-        step = (before[w].astype(np.float64) - after[w]) / LR
-        loss = _losses(model, x, labels.astype(np.float64), w)
-        fd = np.zeros(before[w].size)
-        for i in range(before[w].size):
-            plus, minus = before[w].copy(), before[w].copy()
-            plus.flat[i] += H
-            minus.flat[i] -= H
-            fd[i] = (loss(plus) - loss(minus)) / (2 * H)
-        assert np.abs(fd).max() > 1e-3
-        np.testing.assert_allclose(step.reshape(-1), fd, rtol=1e-3, atol=1e-3 * np.abs(fd).max())
+    check_step(model, x, labels, before, after, ("W1", "W2"), "runtime-sized Resize")
     x3 = np.random.default_rng(6).standard_normal([3, 2, 4, 4]).astype(np.float32)
     y3 = ort_session(model).run(["y"], {"x": x3})[0]
     np.savez(tmp_path / "d3.npz", x=x3, labels=y3)
