@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import copy
 import re
 
 import numpy as np
@@ -27,15 +26,23 @@ def calibration_batch(src, base_dir, shapes, path, cfg, label_dims, label_elem, 
     name, that differs) is a one-line error giving the --label-shape that fits."""
     from ..inputs import find_shapes
     from ..oracle import runner
-    plan = find_shapes(src, runner(src, base_dir=base_dir), shapes, where=path)
+    # one session that also returns the loss's input tensor (an intermediate with
+    # --model-output): the output is listed only while the session is made, so the
+    # weights are not copied
+    extra = cfg["output"] not in {o.name for o in src.graph.output}
+    if extra:
+        src.graph.output.append(helper.make_tensor_value_info(cfg["output"], TensorProto.FLOAT, None))
+    try:
+        run = runner(src, base_dir=base_dir)
+    finally:
+        if extra:
+            src.graph.output.pop()
+    plan = find_shapes(src, run, shapes, where=path)
     batch = 2 if plan.batch_free else None
     feeds = plan.feeds(0, batch=batch)
     sizes = {d: n for s in plan.specs for d, n in zip(s.dims, feeds[s.name].shape) if isinstance(d, str)}
-    probe = copy.deepcopy(src)  # the model with the loss's input tensor as its only output
-    del probe.graph.output[:]
-    probe.graph.output.append(helper.make_tensor_value_info(cfg["output"], TensorProto.FLOAT, None))
     try:
-        out = runner(probe, base_dir=base_dir)(feeds)[cfg["output"]].shape
+        out = run(feeds)[cfg["output"]].shape
     except Exception as e:  # noqa: BLE001 - ORT's run errors are many kinds
         raise GraphmpError(f"{path}: ONNX Runtime cannot run the model on generated inputs of shapes "
                            f"{plan.describe()} ({first_line(e)}); give other --shapes, or precision='fp32' "
