@@ -151,9 +151,22 @@ def upgrade(model: onnx.ModelProto, target: int, where: str = "<model>") -> onnx
     # (ONNX Runtime then folds nothing with it): IR 3's listing goes, as its meaning was.
     need = onnx.helper.find_min_ir_version_for([onnx.helper.make_opsetid("", target)])
     if out.ir_version < 4 <= need:
-        inits = {t.name for t in out.graph.initializer}
-        keep = [v for v in out.graph.input if v.name not in inits]
-        del out.graph.input[:]
-        out.graph.input.extend(keep)
+        initializers_out_of_inputs(out)
     out.ir_version = max(out.ir_version, need)
     return out
+
+
+def initializers_out_of_inputs(model) -> int:
+    """Drop initializers from the main graph's inputs (IR 3 listed every one there; from IR 4
+    a listed initializer is an overridable default that ONNX Runtime folds nothing with),
+    raising IR 3 to 4; returns how many were dropped."""
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    keep = [v for v in g.input if v.name not in inits]
+    removed = len(g.input) - len(keep)
+    if removed:
+        del g.input[:]
+        g.input.extend(keep)
+        if model.ir_version < 4:
+            model.ir_version = 4
+    return removed

@@ -147,16 +147,16 @@ SUM_REDUCTIONS = frozenset({"ReduceSum", "ReduceMean"})
 PASS_THROUGH = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand"})
 
 
-class _Consumers:
-    """Graph key -> its consumers map, built once per graph on first use."""
+class _PerGraph:
+    """fn(g) computed once per graph (by key) on first use."""
 
-    def __init__(self):
-        self.maps = {}
+    def __init__(self, fn):
+        self.fn, self.cache = fn, {}
 
     def __call__(self, g):
-        if g.key not in self.maps:
-            self.maps[g.key] = g.consumers()
-        return self.maps[g.key]
+        if g.key not in self.cache:
+            self.cache[g.key] = self.fn(g)
+        return self.cache[g.key]
 
 
 def _summed_square(g, n, consumers) -> bool:
@@ -200,24 +200,13 @@ def _carried_pairs(g, opset: int) -> list[tuple[str, str]]:
     return []
 
 
-class _Recurrences:
-    """Graph key -> ids of the nodes on a path from a carried float state to its next value."""
-
-    def __init__(self):
-        self.sets = {}
-
-    def __call__(self, ctx, g) -> set:
-        if g.key not in self.sets:
-            self.sets[g.key] = _recurrence_nodes(ctx, g)
-        return self.sets[g.key]
-
-
-def _recurrence_nodes(ctx, g) -> set:
+def _recurrence_nodes(ctx, g, users: dict) -> set:
+    """ids of g's nodes on a path from a carried float state to its next value (users: g's
+    consumers map)."""
     pairs = [(i, o) for i, o in _carried_pairs(g, ctx.opsets.get("", 1)) if ctx.type_of(g, i) == FLOAT]
     if not pairs:
         return set()
     producers = g.producers()
-    users = g.consumers()
     out = set()
     for start, end in pairs:
         ahead, todo = set(), [start]          # tensors that depend on the state
@@ -247,8 +236,8 @@ def classify(ctx):
     fp32_re = re.compile(opt.fp32_nodes) if opt.fp32_nodes else None
     fp32_ops = set(opt.fp32_ops or ())
     stats = InitStats(ctx)
-    consumers = _Consumers()
-    recurrences = _Recurrences()
+    consumers = _PerGraph(lambda g: g.consumers())
+    recurrences = _PerGraph(lambda g: _recurrence_nodes(ctx, g, consumers(g)))
     lim = FP16_MAX if opt.target == "fp16" else BF16_MAX
     for g, n in ctx.nodes():
         cls = ops.op_class(n.op_type, n.domain)
@@ -303,7 +292,7 @@ def classify(ctx):
             info.reason = f"{n.op_type} is range-sensitive (FP32 op class)"
         if info.reason is None and _summed_square(g, n, consumers):
             info.reason = SQUARE_REASON
-        if info.reason is None and cls == "follow" and id(n) in recurrences(ctx, g):
+        if info.reason is None and cls == "follow" and id(n) in recurrences(g):
             info.reason = RECURRENCE_REASON
         if info.reason:
             info.cls = "fp32"

@@ -21,25 +21,12 @@ from onnx import TensorProto, numpy_helper
 from ..io import iter_graphs, model_weight_bytes
 from ..ir import Graph, Names, name_nodes
 from . import PassResult
-from ..opset import default_opset, upgrade
+from ..opset import default_opset, initializers_out_of_inputs, upgrade  # noqa: F401  (re-exported)
 
 MIN_OPSET = 7  # ONNX Runtime guarantees opset 7 and above
 # Older models go to 9, not 7: onnx's Reshape-1 -> 5 adapter writes the shape as an int64
 # Constant, which Constant only accepts from opset 9.
 UPGRADE_TO = 9
-
-
-def initializers_out_of_inputs(model) -> int:
-    g = model.graph
-    inits = {t.name for t in g.initializer}
-    keep = [v for v in g.input if v.name not in inits]
-    removed = len(g.input) - len(keep)
-    if removed:
-        del g.input[:]
-        g.input.extend(keep)
-        if model.ir_version < 4:
-            model.ir_version = 4
-    return removed
 
 
 def constants_to_initializers(model) -> int:
