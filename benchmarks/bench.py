@@ -29,7 +29,7 @@ sys.path.insert(0, REPO)
 
 from graphmp.bench import bench  # noqa: E402
 from graphmp.errors import GraphmpError  # noqa: E402
-from graphmp.io import write_json  # noqa: E402
+from graphmp.save import write_json  # noqa: E402
 
 # name -> (full-size export, committed tiny fallback, size of the other symbolic dims: sequence length)
 MODELS = {

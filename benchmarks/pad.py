@@ -41,7 +41,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
 import graphmp  # noqa: E402
-from graphmp.io import write_json  # noqa: E402
+from graphmp.save import write_json  # noqa: E402
 from graphmp.pad import pad  # noqa: E402
 
 RNG = np.random.default_rng(0)

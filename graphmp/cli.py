@@ -13,14 +13,28 @@ from .errors import GraphmpError
 
 
 # graphmp.io imports onnx and numpy (0.3 s): `graphmp --help` and usage errors need neither
-def check_writable(path, src):
-    from .io import check_writable as check
-    return check(path, src)
-
-
 def write_json(path, data):
-    from .io import write_json as write
-    return write(path, data)
+    """A user-named JSON output (--report, --json): atomic, or written in place into a
+    FIFO or character device (--report /dev/stdout)."""
+    from .save import write_json as write
+    return write(path, data, in_place_ok=True)
+
+
+def refuse_clobber(outputs, models=(), files=()):
+    """One line before any work when an output (label, path) is one of the input files:
+    each model in `models` (label, path) with the data files it references, and `files`
+    (label, path or list of paths: calibration, data)."""
+    from .io import model_inputs
+    from .paths import refuse_clobber as refuse
+    inputs = []
+    for what, path in models:
+        if path is not None:
+            inputs += model_inputs(what, path)
+    for what, paths in files:
+        if paths is not None and not isinstance(paths, (list, tuple)):
+            paths = [paths]
+        inputs += [(what, p) for p in paths or () if p not in ("auto", "off")]
+    refuse(outputs, inputs)
 
 EPILOG_CONVERT = """\
 how precision is chosen:
@@ -63,9 +77,11 @@ def _add_shapes(p):
 
 
 def _writable(path, what):
-    """Fail before long work when an output file cannot be written (nothing is written)."""
+    """Fail before long work when a user-named text output cannot be written (nothing is
+    written); a FIFO or character device is written in place."""
     if path:
-        check_writable(path, None)
+        from .io import check_writable as check
+        check(path, None, what, in_place_ok=True)
 
 
 def _add_convert(sub):
@@ -153,6 +169,8 @@ def _run_convert(args) -> int:
     if args.no_calibration and args.calibration:
         raise GraphmpError("--calibration and --no-calibration contradict each other; give one")
     _writable(args.report, "--report")
+    refuse_clobber([("the output (-o)", out), ("--report", args.report)], [("the model", args.model)],
+                   [("a --calibration file", args.calibration)])
     cal = "off" if args.no_calibration else args.calibration
     rep = convert(args.model, out, target=args.target, keep_io_types=args.keep_io_types,
                   fp32_ops=args.fp32_ops, fp32_nodes=args.fp32_nodes, fp16_nodes=args.fp16_nodes,
@@ -229,6 +247,7 @@ def _run_pad(args) -> int:
     from .pad import pad
     out = args.output or os.path.splitext(args.model)[0] + ".pad.onnx"
     _writable(args.report, "--report")
+    refuse_clobber([("the output (-o)", out), ("--report", args.report)], [("the model", args.model)])
     rep = pad(args.model, out, multiple=args.multiple, stem=args.stem, max_overhead=args.max_overhead,
               external_data=args.external_data, validate=args.validate, shapes=args.shapes)
     if args.report:
@@ -256,6 +275,8 @@ def _run_pad(args) -> int:
 def _run_check(args) -> int:
     from .check import check
     _writable(args.json, "--json")
+    refuse_clobber([("--json", args.json)], [("the reference model", args.reference),
+                                             ("the converted model", args.converted)], [("--data", args.data)])
     rep = check(args.reference, args.converted, data=args.data, shapes=args.shapes, atol=args.atol, rtol=args.rtol,
                 max_error=args.max_error, metric=args.metric, oracle=args.oracle)
     if args.json:
@@ -417,18 +438,22 @@ def _add_export(sub):
 
 
 def _run_train_graph(args) -> int:
+    from .train.runfiles import os_error
     from .train.step import build_step
-    meta = build_step(args.model, args.output, loss=args.loss, label_shape=args.label_shape,
-                      optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, betas=args.betas,
-                      eps=args.eps, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
-                      loss_scale=args.loss_scale, init_scale=args.init_scale,
-                      growth_interval=args.growth_interval, backoff=args.backoff, growth=args.growth,
-                      min_scale=args.min_scale, max_scale=args.max_scale, precision=args.precision,
-                      output=args.model_output, trainable=args.trainable, calibration=args.calibration,
-                      shapes=args.shapes, class_axis=args.class_axis, ignore_index=args.ignore_index,
-                      label_smoothing=args.label_smoothing, class_weights=args.class_weights,
-                      lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, total_steps=args.total_steps,
-                      grad_accum=args.grad_accum, force=args.force)
+    try:
+        meta = build_step(args.model, args.output, loss=args.loss, label_shape=args.label_shape,
+                          optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, betas=args.betas,
+                          eps=args.eps, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
+                          loss_scale=args.loss_scale, init_scale=args.init_scale,
+                          growth_interval=args.growth_interval, backoff=args.backoff, growth=args.growth,
+                          min_scale=args.min_scale, max_scale=args.max_scale, precision=args.precision,
+                          output=args.model_output, trainable=args.trainable, calibration=args.calibration,
+                          shapes=args.shapes, class_axis=args.class_axis, ignore_index=args.ignore_index,
+                          label_smoothing=args.label_smoothing, class_weights=args.class_weights,
+                          lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
+                          total_steps=args.total_steps, grad_accum=args.grad_accum, force=args.force)
+    except OSError as e:  # one the builder did not name (a full disk, a folder's permissions): still one line
+        raise os_error(e, e.filename or args.output) from None
     for w in meta["warnings"]:
         print(w, file=sys.stderr)
     lifted = [w for w in meta["weights"] if w in meta["constant_weights"]]
@@ -454,10 +479,14 @@ def _run_train_graph(args) -> int:
 
 def _run_train(args) -> int:
     from .train.loop import format_summary, train
-    res = train(args.run_dir, args.data, epochs=args.epochs, batch_size=args.batch_size, eval_data=args.eval,
-                checkpoint_every=args.checkpoint_every, resume=not args.no_resume, device=args.device,
-                progress=not args.quiet, seed=args.seed, max_steps=args.max_steps,
-                skip_bad_samples=args.skip_bad_samples)
+    from .train.runfiles import os_error
+    try:
+        res = train(args.run_dir, args.data, epochs=args.epochs, batch_size=args.batch_size, eval_data=args.eval,
+                    checkpoint_every=args.checkpoint_every, resume=not args.no_resume, device=args.device,
+                    progress=not args.quiet, seed=args.seed, max_steps=args.max_steps,
+                    skip_bad_samples=args.skip_bad_samples)
+    except OSError as e:  # one the driver did not name (a full disk, a folder's permissions): still one line
+        raise os_error(e, e.filename or args.run_dir) from None
     print(format_summary(res.summary))
     applied = sum(bool(a) for a in res.history["applied"])
     # nothing trained: every step of this call skipped and the summary's note says why (exit 1,
@@ -467,7 +496,11 @@ def _run_train(args) -> int:
 
 def _run_export(args) -> int:
     from .train.loop import export
-    out = export(args.run_dir, args.output, precision="mixed" if args.mixed else "fp32")
+    from .train.runfiles import os_error
+    try:
+        out = export(args.run_dir, args.output, precision="mixed" if args.mixed else "fp32")
+    except OSError as e:  # one the writers did not name (a full disk, a folder's permissions): still one line
+        raise os_error(e, e.filename or args.output) from None
     print(f"{out}: inference model with the trained weights ({'mixed precision' if args.mixed else 'FP32'})")
     return 0
 
@@ -621,6 +654,12 @@ def _add_bench(sub):
 
 def _run_bench(args) -> int:
     from .bench import bench
+    from .io import check_writable
+    outputs = []  # refused before any work when one is an input (bench's refuse_overwrites) or a device/FIFO
+    for what, path, in_place_ok in (("--json", args.json, True), ("--plot", args.plot, False)):
+        if path:
+            check_writable(path, None, what, in_place_ok)
+            outputs.append((what, path))
     res = bench(args.model, converted=args.converted, backends=args.backends, precisions=args.precisions,
                 compare=args.compare, compare_occ=args.compare_occ, model_type=args.model_type,
                 batches=args.batch, data=args.data, shapes=args.shapes, seed=args.seed, warmup=args.warmup,
@@ -628,9 +667,10 @@ def _run_bench(args) -> int:
                 cudnn_conv_algo_search=args.cudnn_conv_algo_search, timing_cache=args.timing_cache,
                 workspace_mb=args.workspace, max_error=args.max_error, tf32_factor=args.tf32_factor,
                 atol=args.atol, rtol=args.rtol, oracle_max_mb=args.oracle_max_mb,
-                keep=args.keep, command=getattr(args, "command_line", None), progress=not args.quiet)
+                keep=args.keep, command=getattr(args, "command_line", None), progress=not args.quiet,
+                outputs=outputs)
     if args.json:
-        res.write_json(args.json)
+        res.write_json(args.json, in_place_ok=True)
     if args.plot:
         res.plot(args.plot)
     print(res.table())
@@ -665,6 +705,12 @@ def _parser():
     return p
 
 
+def _one_line(text: str) -> str:
+    """An error as one printable line: names from a model (tensor, node, location) may hold
+    newlines, NULs or terminal escapes, which must not forge lines or reach the terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 class Terminated(BaseException):
     """SIGTERM, raised where Python code runs so that temporary files are cleaned up
     (by the same `finally`/`except` paths as Ctrl-C)."""
@@ -686,7 +732,7 @@ def main(argv=None) -> int:
     try:
         return COMMANDS[args.cmd][1](args)
     except GraphmpError as e:
-        print(f"graphmp: error: {e}", file=sys.stderr)
+        print(f"graphmp: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("graphmp: interrupted; nothing was written", file=sys.stderr)

@@ -14,8 +14,8 @@ import time
 from .version import __version__
 from .context import Ctx, Options
 from .errors import GraphmpError
-from .io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model,
-                 save_model, tensor_nbytes)
+from .io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model, tensor_nbytes)
+from .save import save_model
 from .wire import is_self_reference
 from .passes import PassResult, apply, calibrate, classify, fuse, paint, prepare, search, types
 from .passes.apply import LowConverter, to_low

@@ -90,7 +90,7 @@ class _Rewriter:
         nodes = []
         for t in g.initializer:
             if t.doc_string.startswith(CONVERT_MARK):
-                # converted while the output is written (graphmp.io.save_model): round it in
+                # converted while the output is written (graphmp.save.save_model): round it in
                 # the graph, so the FP32 bytes stay where they are (external or by reference)
                 low = int(t.doc_string[len(CONVERT_MARK):])
                 name, t.name = t.name, self.names.fresh(f"{t.name}__emu_fp32")

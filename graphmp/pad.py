@@ -16,7 +16,8 @@ import onnx
 
 from .version import __version__
 from .errors import GraphmpError
-from .io import is_external, iter_graphs, load_model, materialize, model_weight_bytes, open_model, save_model
+from .io import is_external, iter_graphs, load_model, materialize, model_weight_bytes, open_model
+from .save import save_model
 from .ir import Names, name_nodes
 from .ops import PAD_MULTIPLES as MULTIPLES
 from .passes.pad_channels import pad_channels
@@ -125,6 +126,19 @@ def alignment(model: onnx.ModelProto, multiple: int) -> dict:
             "fraction": (layers - len(unaligned)) / layers if layers else 1.0, "unaligned": unaligned}
 
 
+def _outputs_off_initializers(model: onnx.ModelProto) -> None:
+    """A graph output that is an initializer is read through an Identity of it, so that
+    padding the weight (which changes its shape) never changes what the output declares;
+    the output declares the weight's own type and shape (what it really is)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    for v in model.graph.output:
+        t = inits.get(v.name)
+        if t is not None:
+            v.CopyFrom(onnx.helper.make_tensor_value_info(v.name, t.data_type, list(t.dims)))
+            t.name = f"{v.name}.value"
+            model.graph.node.insert(0, onnx.helper.make_node("Identity", [t.name], [v.name], name=f"{v.name}.output"))
+
+
 def pad_model(model: onnx.ModelProto, base_dir: str | None, multiple: int, stem: str = "auto",
               max_overhead: float = 0.5) -> dict:
     """Pad an in-memory model (modified in place) and return the report."""
@@ -138,6 +152,7 @@ def pad_model(model: onnx.ModelProto, base_dir: str | None, multiple: int, stem:
         warnings.append(f"{moved} initializers were also graph inputs; they are now constants (so their "
                         "weights can be padded; ONNX Runtime recommends the same)")
     constants_to_initializers(model)
+    _outputs_off_initializers(model)
     name_nodes(model, Names(model))
     before = model_weight_bytes(model)
     aligned_before = alignment(model, multiple)

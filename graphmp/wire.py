@@ -149,7 +149,8 @@ def _repeated(desc) -> bool:
     return rep if isinstance(rep, bool) else desc.label == desc.LABEL_REPEATED
 
 
-def _copy_except(src, dst, skip: str):
+def copy_except(src, dst, skip: str):
+    """Copy every set field of message `src` but `skip` into `dst` (returned)."""
     for desc, value in src.ListFields():
         if desc.name == skip:
             continue
@@ -169,8 +170,8 @@ def write_streaming(model: onnx.ModelProto, f, tensor_data) -> None:
     `chunks()` yields the bytes. Only one tensor's data is in memory at a time. The
     result parses to the same message as a plain SerializeToString of the final model."""
     g = model.graph
-    rest = _copy_except(g, onnx.GraphProto(), "initializer")
-    head = _copy_except(model, onnx.ModelProto(), "graph")
+    rest = copy_except(g, onnx.GraphProto(), "initializer")
+    head = copy_except(model, onnx.ModelProto(), "graph")
     plans = []
     for t in g.initializer:
         meta, nbytes, chunks = tensor_data(t)

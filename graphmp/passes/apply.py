@@ -12,7 +12,7 @@ Guarantees:
   for FP16 reads the FP16 value itself;
 - float initializers read in low precision are converted offline: in place when every
   consumer wants the low type, else as a second copy; external tensors are converted
-  while streaming the output (io.save_model);
+  while streaming the output (save.save_model);
 - graph inputs/outputs keep their declared types (keep_io_types; always for
   subgraphs); an output also read inside the graph serves each reader its type.
 """
@@ -87,7 +87,7 @@ def to_low(arr: np.ndarray, low: int, name=None):
 
 
 class LowConverter:
-    """The convert_fn of io.save_model / io.materialize for conversions the apply pass
+    """The convert_fn of save.save_model / io.materialize for conversions the apply pass
     deferred to the write: converts, and fills the tensor's entry of the rounding report
     when it is marked "deferred" (facts that classify did not compute already)."""
 
@@ -175,7 +175,7 @@ class Rewriter:
         if known is not _UNKNOWN and known is not None:
             self.rounding.append({"initializer": dst.name, "elements": elements, **known})
         if is_external(t):
-            dst.doc_string = CONVERT_MARK + str(self.low)  # io.save_model converts it while streaming
+            dst.doc_string = CONVERT_MARK + str(self.low)  # save.save_model converts it while streaming
             if known is _UNKNOWN:
                 self.rounding.append({"initializer": dst.name, "deferred": True, "elements": elements})
             return dst.name

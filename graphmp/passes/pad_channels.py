@@ -244,6 +244,7 @@ class Padder(WeightPads, ChannelFlow, ProducerPads):
         del self.g.node[:]
         self.g.node.extend(nodes)
         used = {i for g in iter_graphs(self.g) for n in g.node for i in n.input}
+        used |= {v.name for v in self.g.output}  # a weight that is also a graph output stays as it was
         keep = [t for t in self.g.initializer if t.name not in self.replaced or t.name in used]
         del self.g.initializer[:]
         self.g.initializer.extend(keep)

@@ -12,7 +12,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import GraphmpError
-from ..io import iter_graphs, save_model
+from ..io import iter_graphs
+from ..save import save_model
 
 
 class Builder:

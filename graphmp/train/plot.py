@@ -16,7 +16,7 @@ import zlib
 
 import numpy as np
 
-from ..io import atomic_write
+from ..save import atomic_write
 
 WIDTH, HEIGHT = 640, 400
 TRAIN_RGB = (31, 119, 180)
