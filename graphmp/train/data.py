@@ -33,6 +33,7 @@ import onnx
 from ..errors import GraphmpError
 from ..io import load_npz
 from .losses import MSE_RESHAPE
+from .runfiles import run_file
 
 
 def label_rule(run_dir, meta: dict) -> dict | None:
@@ -48,7 +49,7 @@ def label_rule(run_dir, meta: dict) -> dict | None:
     axis = int(cfg.get("class_axis", 1))
     num = cfg.get("num_classes")
     if num is None:
-        num = _static_class_count(os.path.join(os.fspath(run_dir), meta["infer_model"]), meta["model_output"], axis)
+        num = _static_class_count(run_file(run_dir, meta, "infer_model"), meta["model_output"], axis)
     ignore = cfg.get("ignore_index")
     return {"name": meta["label"]["name"], "axis": axis, "num_classes": None if num is None else int(num),
             "ignore_index": None if ignore is None else int(ignore)}

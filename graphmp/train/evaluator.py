@@ -8,8 +8,6 @@ else FP32 with a note). infer_model() is that graph with the weights as initiali
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -18,11 +16,12 @@ from ..errors import GraphmpError
 from ..oracle import ort_session
 from .data import in_order, mse_mismatch, run_failure
 from .device import check_session
+from .runfiles import load_onnx, run_file
 
 
 def infer_model(run_dir, meta, state: dict) -> onnx.ModelProto:
     """The source model with `state`'s weights and BN statistics as initializers (FP32)."""
-    m = onnx.load(os.path.join(os.fspath(run_dir), meta["infer_model"]))
+    m = load_onnx(run_file(run_dir, meta, "infer_model"))
     trained = set(meta["weights"]) | set(meta["bn_stats"])
     keep = [v for v in m.graph.input if v.name not in trained]
     del m.graph.input[:]
@@ -42,7 +41,7 @@ class Evaluator:
     def __init__(self, run_dir, meta, state: dict, providers=None, sample_batch: dict | None = None,
                  device: str | None = None):
         self.meta = meta
-        m = onnx.load(os.path.join(os.fspath(run_dir), meta["infer_model"]))
+        m = load_onnx(run_file(run_dir, meta, "infer_model"))
         out = meta["model_output"]
         if out not in {o.name for o in m.graph.output}:
             m.graph.output.append(onnx.helper.make_tensor_value_info(out, onnx.TensorProto.FLOAT, None))

@@ -15,6 +15,9 @@ Guarantees:
   the last complete checkpoint and repeats exactly the steps after it: the resumed run
   ends with the same weights as an uninterrupted one, bit for bit (deterministic kernels,
   i.e. the CPU provider; no Dropout).
+- Run folders are data, not instructions (runfiles.py): every file name train.json or
+  checkpoint.json gives is a bare name graphmp writes, naming a regular file inside the
+  folder; corrupt files, a full disk, data files that are run files: one-line errors.
 - Eval: the inference graph (the source model with the current weights and BN running
   statistics, BN in inference mode), in the training precision (a BF16 run where ONNX
   Runtime lacks BF16 kernels: FP32, and the eval result, progress output and summary say
@@ -27,7 +30,6 @@ Guarantees:
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -36,17 +38,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from ..errors import GraphmpError
-from ..io import check_writable, load_npz, save_model, save_npz, write_json
+from ..errors import GraphmpError, first_line
+from ..io import check_writable, load_npz
+from ..save import save_model, save_npz, write_json
 from ..progress import Progress
 from .data import DataCheck, Dataset, in_order, label_rule, make_source, run_failure, whole_arrays
 from .device import check_session, providers_for
 from .evaluator import Evaluator, infer_model
 from .optim import skipped_note
 from .plot import write_loss_png
+from .runfiles import (CHECKPOINT, FIX, REBUILD, TRAIN_JSON, check_meta, check_state, export_inputs, json_file,
+                       load_onnx, read_checkpoint, read_json, refuse_run_files, run_file, writing)
 from .step import NEXT, SCALE, STEP
 
-CHECKPOINT = "checkpoint.json"
 LOSS_PNG = "loss.png"
 HISTORY_KEY = "__history__loss"  # per-step train loss of the whole run, kept in each checkpoint file
 
@@ -54,21 +58,21 @@ HISTORY_KEY = "__history__loss"  # per-step train loss of the whole run, kept in
 # --- the run dir -------------------------------------------------------------------------
 
 def load_run(run_dir) -> dict:
-    """train.json of a run dir made by build_step (clear errors when it is not one)."""
+    """train.json of a run dir made by build_step, checked (runfiles: its types, and every
+    file name it gives a regular file graphmp wrote inside the folder); clear errors when
+    it is not one."""
     run_dir = os.fspath(run_dir)
-    meta_path = os.path.join(run_dir, "train.json")
     if not os.path.isdir(run_dir):
         raise GraphmpError(f"{run_dir}: no such run folder. Make one with "
                            f"`graphmp train-graph model.onnx -o {run_dir}`.")
-    if not os.path.isfile(meta_path):
+    meta_path = json_file(run_dir, TRAIN_JSON)
+    if meta_path is None:
         raise GraphmpError(f"{run_dir}: has no train.json, so it is not a (complete) run folder. Make one with "
                            f"`graphmp train-graph model.onnx -o {run_dir}`.")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    meta = read_json(meta_path, REBUILD)
     for k in ("step_model", "infer_model", "initial_state"):
-        p = os.path.join(run_dir, meta[k])
-        if not os.path.isfile(p):
-            raise GraphmpError(f"{p}: missing from the run folder; rebuild it with `graphmp train-graph`.")
+        run_file(run_dir, meta, k)
+    check_meta(meta, meta_path)
     return meta
 
 
@@ -79,32 +83,46 @@ def latest_state(run_dir) -> tuple[dict, dict | None]:
     (a list; empty for checkpoints written before it was kept)."""
     run_dir = os.fspath(run_dir)
     meta = load_run(run_dir)
-    ck_path = os.path.join(run_dir, CHECKPOINT)
-    if os.path.isfile(ck_path):
-        with open(ck_path) as f:
-            ck = json.load(f)
-        state = load_npz(os.path.join(run_dir, ck["state_file"]))
+    ck, state_path = read_checkpoint(run_dir)
+    if ck is not None:
+        state = load_npz(state_path, hint=f" {FIX[CHECKPOINT].capitalize()}.")
         hist = state.pop(HISTORY_KEY, None)
-        ck["train_loss"] = [] if hist is None else [float(x) for x in hist]
+        ck["train_loss"] = [] if hist is None else [float(x) for x in np.ravel(hist)]
         return state, ck
-    return load_npz(os.path.join(run_dir, meta["initial_state"])), None
+    return load_npz(run_file(run_dir, meta, "initial_state"), hint=f" {REBUILD.capitalize()}."), None
 
 
 def _save_checkpoint(run_dir, state: dict, info: dict, train_loss=()):
-    """ckpt-<step>.npz (the state + the run's per-step loss) then checkpoint.json naming it."""
+    """ckpt-<step>.npz (the state + the run's per-step loss) then checkpoint.json naming it;
+    then the previous checkpoint file is removed, only when checkpoint.json named a valid
+    one (runfiles.run_file: never a file outside the run folder). A failed write (a full
+    disk) is one line naming the file; the previous checkpoint stays complete and named."""
     name = f"ckpt-{info['step']:09d}.npz"
-    save_npz(os.path.join(run_dir, name), dict(state, **{HISTORY_KEY: np.asarray(train_loss, np.float64)}))
-    old = None
-    ck_path = os.path.join(run_dir, CHECKPOINT)
-    if os.path.isfile(ck_path):
-        with open(ck_path) as f:
-            old = json.load(f).get("state_file")
-    write_json(ck_path, dict(info, state_file=name))
-    if old and old != name:
-        try:
-            os.unlink(os.path.join(run_dir, old))
-        except OSError:
-            pass
+    path = os.path.join(run_dir, name)
+    try:
+        old = read_checkpoint(run_dir)[1]
+    except GraphmpError:  # changed under us since train() checked it: keep whatever it names
+        old = None
+    kept = (f"the last complete checkpoint {os.path.basename(old)} is unchanged: free some space and run "
+            "`graphmp train` again to resume from it") if old else "no checkpoint was written"
+    with writing(path, "the checkpoint", kept):
+        save_npz(path, dict(state, **{HISTORY_KEY: np.asarray(train_loss, np.float64)}))
+    try:
+        with writing(os.path.join(run_dir, CHECKPOINT), "the checkpoint", kept):
+            write_json(os.path.join(run_dir, CHECKPOINT), dict(info, state_file=name))
+    except GraphmpError:
+        if not (old and os.path.basename(old) == name):
+            _unlink_quietly(path)
+        raise
+    if old and os.path.basename(old) != name:
+        _unlink_quietly(old)  # a symlink itself, never its target
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 # --- running the step ---------------------------------------------------------------------------
@@ -125,14 +143,17 @@ class StepRunner:
         so.log_severity_level = 4  # a failed run becomes one GraphmpError line (run_failure), not a log dump
         if threads:
             so.intra_op_num_threads = threads
-        self.sess = ort.InferenceSession(os.path.join(run_dir, meta["step_model"]), so,
-                                         providers=providers or ["CPUExecutionProvider"])
+        path = run_file(run_dir, meta, "step_model")
+        load_onnx(path)  # a one-line error for a corrupt file, and no external data (a run's never has any)
+        try:
+            self.sess = ort.InferenceSession(path, so, providers=providers or ["CPUExecutionProvider"])
+        except Exception as e:  # noqa: BLE001  (ORT raises several pybind types)
+            raise GraphmpError(f"{path}: ONNX Runtime cannot load the run's step graph ({first_line(e, 200)}); "
+                               f"{REBUILD}") from None
         self.providers = self.sess.get_providers()  # what it got, not what was asked for
         self.bound = _uses_cuda(self.sess) if device_state is None else bool(device_state)
         self.device = "cuda" if _uses_cuda(self.sess) else "cpu"
-        missing = [n for n in self.names if n not in state]
-        if missing:
-            raise GraphmpError(f"{run_dir}: the state file lacks {missing[:5]}; it does not belong to this step graph.")
+        check_state(self.sess, state, self.names, run_dir)
         if self.bound:
             ov = ort.OrtValue
             self.bufs = [{n: ov.ortvalue_from_numpy(np.array(state[n], order="C"), self.device, 0) for n in self.names},
@@ -198,8 +219,18 @@ def evaluate(run_dir, data, batch_size: int = 256, providers=None, state: dict |
     meta = load_run(run_dir)
     state = state if state is not None else latest_state(run_dir)[0]
     src = make_source(data, meta, "eval data", DataCheck(label_rule(run_dir, meta), skip_bad_samples))
-    first = next(iter(in_order(src, batch_size)))
+    first = _first_batch(src, batch_size)
     return Evaluator(run_dir, meta, state, providers, first).run(state, src, batch_size)
+
+
+def _first_batch(src, batch_size: int = 256) -> dict:
+    """The first eval batch (what the mixed eval graph is calibrated on); an eval set with no
+    samples is a one-line error naming it."""
+    first = next(iter(in_order(src, batch_size)), None)
+    if first is None:
+        raise GraphmpError(f"{getattr(src, 'where', 'eval data')}: the eval data holds no samples (after the data "
+                           "checks); give eval data with at least one sample, or leave out --eval")
+    return first
 
 
 # --- train ---------------------------------------------------------------------------------------
@@ -219,6 +250,15 @@ def _check_batch_size(run_dir, meta, src, batch_size: int) -> None:
     if fixed and fixed[0] != batch_size:
         raise GraphmpError(f"{run_dir}: the model's batch axis is fixed at {fixed[0]}; use batch_size {fixed[0]} "
                            "or re-export the model with a dynamic batch axis.")
+
+
+def _refuse_data_in_run(run_dir: str, data, eval_data) -> None:
+    """Training and eval data files must not be files the run writes (checkpoints,
+    summary.json, loss.png, ...: runfiles.run_paths), compared as files (samefile/realpath)."""
+    def path(d):
+        return os.fspath(d) if isinstance(d, (str, os.PathLike)) else None
+    refuse_run_files(run_dir, [("--data", path(data)), ("--eval", path(eval_data))],
+                     "Keep data files outside the run folder, or give them other names.")
 
 
 @dataclass
@@ -246,6 +286,7 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
     whole run's loss curve to run_dir/loss.png."""
     run_dir = os.fspath(run_dir)
     meta = load_run(run_dir)
+    _refuse_data_in_run(run_dir, data, eval_data)
     if batch_size < 1 or epochs < 0:
         raise GraphmpError(f"batch_size must be >= 1 and epochs >= 0 (got {batch_size}, {epochs})")
     notes = []
@@ -263,7 +304,10 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
     eval_src = None
     if eval_data is not None:  # checked now, before any step
         eval_src = make_source(eval_data, meta, "eval data", DataCheck(rule, skip_bad_samples))
-    state, ck = latest_state(run_dir) if resume else (load_npz(os.path.join(run_dir, meta["initial_state"])), None)
+        if isinstance(eval_src, Dataset) and eval_src.n == 0:
+            _first_batch(eval_src)  # the error naming the file
+    read_checkpoint(run_dir)  # checked even with resume=False: its state file is removed at the first checkpoint
+    state, ck = latest_state(run_dir) if resume else (load_npz(run_file(run_dir, meta, "initial_state")), None)
     setup = {"batch_size": batch_size, "seed": seed, "drop_last": drop_last, "samples": getattr(src, "n", None)}
     pos = {"step": 0, "epoch": 0, "position": 0, "skipped": 0}
     if ck is not None:
@@ -323,7 +367,7 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
             if eval_src is not None:
                 st = runner.state_numpy()
                 if evaluator is None:
-                    first = next(iter(in_order(eval_src, 256)))
+                    first = _first_batch(eval_src)
                     evaluator = Evaluator(run_dir, meta, st, providers, first, device)
                     if evaluator.note:
                         notes.append(evaluator.note)
@@ -354,9 +398,12 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
         "dropped_samples": {"train": src.check.dropped, "eval": eval_src.check.dropped if eval_src else 0},
         "loss_curve": LOSS_PNG, "skipped_note": note or None,
     }
-    write_loss_png(os.path.join(run_dir, LOSS_PNG), run_loss, [(e["step"], e["loss"]) for e in run_eval],
-                   title=f"{os.path.basename(os.path.abspath(run_dir))}: loss ({meta['config']['precision']})")
-    write_json(os.path.join(run_dir, "summary.json"), summary)
+    done = f"the run's checkpoint (step {pos['step']}) is complete"
+    with writing(os.path.join(run_dir, LOSS_PNG), "the loss curve", done):
+        write_loss_png(os.path.join(run_dir, LOSS_PNG), run_loss, [(e["step"], e["loss"]) for e in run_eval],
+                       title=f"{os.path.basename(os.path.abspath(run_dir))}: loss ({meta['config']['precision']})")
+    with writing(os.path.join(run_dir, "summary.json"), "the summary", done):
+        write_json(os.path.join(run_dir, "summary.json"), summary)
     return TrainResult(summary, history, state)
 
 
@@ -414,13 +461,19 @@ def export(run_dir, out_path, precision: str = "fp32", state: dict | None = None
     from .source import restore_constants
     if precision not in ("fp32", "mixed"):
         raise GraphmpError(f"precision must be 'fp32' or 'mixed', not '{precision}'")
+    from ..paths import refuse_clobber
     meta = load_run(run_dir)
     out_path = os.fspath(out_path)
-    check_writable(out_path, meta["source"])
+    refuse_clobber([("-o", out_path)], export_inputs(run_dir, meta))  # never a file of the run or its source
+    check_writable(out_path, None)
     state = state if state is not None else latest_state(run_dir)[0]
     model = infer_model(run_dir, meta, state)
     restore_constants(model, meta.get("constant_weights") or {})
-    onnx.checker.check_model(model, full_check=True)
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as e:  # noqa: BLE001 - ValidationError, InferenceError: a damaged infer.onnx / train.json
+        raise GraphmpError(f"{run_file(run_dir, meta, 'infer_model')}: the model with the trained weights fails "
+                           f"onnx's checker ({first_line(e, 200)}); {REBUILD}") from None
     if precision == "mixed":
         from ..convert import convert
         convert(model, out_path, keep_io_types=True)

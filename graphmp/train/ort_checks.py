@@ -34,6 +34,10 @@ def calibration_batch(src, base_dir, shapes, path, cfg, label_dims, label_elem, 
         src.graph.output.append(helper.make_tensor_value_info(cfg["output"], TensorProto.FLOAT, None))
     try:
         run = runner(src, base_dir=base_dir)
+    except Exception as e:  # noqa: BLE001 - ORT's load errors are many kinds
+        raise GraphmpError(f"{path}: ONNX Runtime cannot load the model ({first_line(e)}); check that ONNX "
+                           "Runtime runs it (an op it lacks, a custom domain), or build with --precision fp32, "
+                           "which needs no calibration run") from None
     finally:
         if extra:
             src.graph.output.pop()
