@@ -17,6 +17,9 @@
      ops in FP32 and hides overflow.
 Inputs: the user's data (checked against the model's inputs), or generated inputs whose
 shapes come from --shapes or graphmp.inputs.find_shapes.
+A model ONNX Runtime refuses (an op it does not implement, a node it cannot run) is a
+FAIL with its message (the converted model) or a one-line GraphmpError naming the file,
+never ONNX Runtime's traceback.
 """
 from __future__ import annotations
 
@@ -182,8 +185,12 @@ def _ort_loads(model) -> str:
     with tempfile.TemporaryDirectory(prefix="graphmp-check-") as d:
         path = model
         if isinstance(model, onnx.ModelProto):
+            # the serialized proto into this private folder, and nothing else: onnx.save would
+            # also write tensors that carry both raw data and an external location to that
+            # location, a path the model chooses (absolute, or climbing out with '..')
             path = os.path.join(d, "model.onnx")
-            onnx.save(model, path)
+            with open(path, "xb") as f:
+                f.write(model.SerializeToString())
         r = subprocess.run([sys.executable, "-c", code, os.fspath(path)], capture_output=True, text=True)
     if r.returncode == 0:
         return "ok"
@@ -193,6 +200,21 @@ def _ort_loads(model) -> str:
         return (f"ONNX Runtime {ort.__version__} crashed ({sig}) creating a CPU session with its default options "
                 "(an ONNX Runtime bug; it may load with fewer graph optimisations)")
     return (r.stdout.strip() or r.stderr.strip() or f"exit {r.returncode}").splitlines()[-1][:300]
+
+
+def _named(run, what: str):
+    """`run` (feeds -> outputs), raising a one-line GraphmpError `what (ONNX Runtime's
+    message)` instead of ONNX Runtime's exception: a valid-looking model ORT refuses at
+    run time (a Conv whose weight disagrees with its input) is an error, not a traceback."""
+    def named(feeds):
+        try:
+            return run(feeds)
+        except GraphmpError:
+            raise
+        except Exception as e:  # noqa: BLE001 - onnxruntime's Fail / InvalidArgument / RuntimeException
+            raise GraphmpError(f"{what} ({first_line(e)})") from None
+    named.session = getattr(run, "session", None)
+    return named
 
 
 def _batches(ref, data, shapes, seed, run_ref):
@@ -238,7 +260,15 @@ def check(ref, converted, data=None, *, shapes=None, max_error=1e-2, metric: str
     except Exception as e:  # noqa: BLE001
         raise GraphmpError(f"{names['reference']}: ONNX Runtime cannot load the FP32 reference ({first_line(e)})") from None
     batches, described = _batches(ref_graph, data, shapes, seed, run_ref)
-    run_emu = emulated_runner(converted)
+    run_ref = _named(run_ref, f"{names['reference']}: ONNX Runtime cannot run the FP32 reference on these inputs")
+    try:
+        run_emu = _named(emulated_runner(converted), f"{names['converted']}: the FP16 emulation (ONNX Runtime CPU) "
+                         "cannot run the converted model on these inputs")
+    except GraphmpError:
+        raise
+    except Exception as e:  # noqa: BLE001 - ORT loaded the model above; the emulation's copy is refused
+        raise GraphmpError(f"{names['converted']}: the FP16 emulation (ONNX Runtime CPU) cannot load the converted "
+                           f"model ({first_line(e)})") from None
     run_cuda = None
     warnings = []
     if cuda_available():
@@ -274,8 +304,18 @@ def check(ref, converted, data=None, *, shapes=None, max_error=1e-2, metric: str
         wants.append(want)
         gots.append(got if got is not None else run_emu(feeds))
         if run_cuda is not None:
-            cudas.append(run_cuda(feeds))
-    budget = measure(ref, batches, wants, max_error, metric)
+            try:
+                cudas.append(run_cuda(feeds))
+            except Exception as e:  # noqa: BLE001 - no CUDA rows then, said in the warnings
+                warnings.append(f"ORT CUDA could not run the converted model: {first_line(e)}")
+                run_cuda, cudas = None, []
+    try:
+        budget = measure(ref, batches, wants, max_error, metric)
+    except GraphmpError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the budget runs the reference (inputs rounded to FP16, TF32)
+        raise GraphmpError(f"{names['reference']}: ONNX Runtime cannot run the FP32 reference to measure the error "
+                           f"budget ({first_line(e)})") from None
     outputs: dict = {}
     for i, want in enumerate(wants):
         for label, got in [("", gots[i])] + ([(" [ORT CUDA]", cudas[i])] if cudas else []):

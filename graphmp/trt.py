@@ -22,6 +22,10 @@ What it guarantees:
   to the model are found; parser failures name the node, its op and TensorRT's message.
 - A failed build is a GraphmpError carrying the errors TensorRT logged (a logger that
   keeps them), not "see above".
+- Before any work (and before TensorRT is imported): the engine output and the timing
+  cache may not be the model or an external data file it reads, nor one file together
+  (paths.refuse_clobber); an engine output or timing cache that is a device, FIFO or
+  directory is refused (paths.check_target), so reading a cache cannot block on a FIFO.
 - A timing cache file is read when it exists and written back (atomically) after the
   build. A cache TensorRT rejects (another GPU or TensorRT version, or damaged) is
   reported as a warning and replaced by a fresh one: the build goes on.
@@ -50,7 +54,9 @@ import numpy as np
 
 from .errors import GraphmpError
 from .inputs import dims_text, parse_shapes
-from .io import atomic_write, load_model
+from .io import load_model, model_inputs
+from .save import atomic_write
+from .paths import check_target, refuse_clobber
 
 INSTALL_HINT = ("Install it with pip install 'graphmp[gpu]' (or pip install tensorrt); it needs an NVIDIA GPU "
                 "and driver (without one, graphmp bench --backends ort-cpu still runs).")
@@ -290,12 +296,17 @@ def build_engine(model, output=None, *, shapes=None, min_shapes=None, max_shapes
     Raises GraphmpError (never a TensorRT exception) for bad files, shapes, parser and build failures.
     """
     path = os.fspath(model)
+    output = os.fspath(output) if output is not None else None
+    cache_path = os.fspath(timing_cache) if timing_cache else None
+    # before any work: neither file the build writes is the model or its data, one file, a
+    # device or FIFO, or this process's stdout (a rename would replace /dev/stdout itself)
+    for what, f in (("-o (the engine)", output), ("--timing-cache", cache_path)):
+        if f is not None:
+            check_target(f, what)
+    refuse_clobber([("-o (the engine)", output), ("--timing-cache", cache_path)], model_inputs("the model", path))
     graph = load_model(path)  # clear errors for missing / bad files before TensorRT is touched
     opt, mins, maxs = parse_shapes(shapes), parse_shapes(min_shapes), parse_shapes(max_shapes)
     if output is not None:
-        output = os.fspath(output)
-        if os.path.abspath(output) == os.path.abspath(path):
-            raise GraphmpError(f"{output}: the engine path is the model path; choose another name with -o.")
         out_dir = os.path.dirname(os.path.abspath(output))
         if not os.path.isdir(out_dir):
             raise GraphmpError(f"{output}: output folder {out_dir} does not exist. Create it first.")
@@ -332,7 +343,6 @@ def build_engine(model, output=None, *, shapes=None, min_shapes=None, max_shapes
     inputs = {t.name: tuple(t.shape) for t in (network.get_input(i) for i in range(network.num_inputs))}
     profile_info = _profile(builder, config, path, inputs, opt, mins, maxs)
 
-    cache_path = os.fspath(timing_cache) if timing_cache else None
     cached = _attach_timing_cache(config, cache_path, notes)
 
     t0 = time.perf_counter()

@@ -9,6 +9,10 @@
 - occ: onnxconverter-common's convert_float_to_float16(keep_io_types=True).
 - ort-opt: onnxruntime.transformers.optimizer.optimize_model(model_type, num_heads=0,
   hidden_size=0) then convert_float_to_float16(keep_io_types=True).
+
+Every model is written with graphmp.save.save_model (temporary file + rename; a data file
+only under a name no file has), never through a symlink planted in the work folder
+(`--keep DIR`), and never into a device or FIFO.
 """
 from __future__ import annotations
 
@@ -21,13 +25,18 @@ import onnx
 from ..convert import MARK_KEY, convert
 from ..errors import GraphmpError
 from ..io import model_weight_bytes
+from ..save import save_model
 
 ORT_OPT_TYPES = ("bert", "gpt2", "vit", "clip", "bart", "t5", "swin", "unet", "vae", "gpt_neox", "phi")
 
 
-def _save(model: onnx.ModelProto, path: str):
+def _save(model: onnx.ModelProto, path: str, src_dir: str | None = None):
+    """Write `model` atomically (graphmp.save.save_model): a symlink or a planted file named like
+    the output or its data file is replaced or passed over, never written through; a device
+    or FIFO there is refused. Weights over 1.8 GB go to a data file next to it.
+    src_dir: where tensors that still reference external data are read from."""
     big = model_weight_bytes(model) > 1.8e9
-    onnx.save(model, path, save_as_external_data=big, location=os.path.basename(path) + ".data")
+    save_model(model, path, src_dir, None, external=big)
 
 
 def fp32_baseline(src: str, dst: str) -> dict:
@@ -55,7 +64,7 @@ def convert_occ(src: str, dst: str) -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         conv = float16.convert_float_to_float16(onnx.load(src), keep_io_types=True)
-    _save(conv, dst)
+    _save(conv, dst, os.path.dirname(os.path.abspath(src)))
     return dst
 
 
@@ -95,5 +104,5 @@ def convert_ort_opt(src: str, dst: str, model_type: str | None = None) -> dict:
         opt = optimize_model(src, model_type=mtype, num_heads=0, hidden_size=0, opt_level=level)
         fused = {k: v for k, v in opt.get_fused_operator_statistics().items() if v}
         opt.convert_float_to_float16(keep_io_types=True)
-    _save(opt.model, dst)
+    _save(opt.model, dst, os.path.dirname(os.path.abspath(src)))
     return {"path": dst, "model_type": mtype, "guessed": model_type is None, "how": how, "fused": fused}

@@ -11,7 +11,8 @@ import os
 import numpy as np
 
 from ..errors import GraphmpError
-from ..io import atomic_write, write_json
+from ..save import atomic_write, write_json
+from ..paths import check_target
 from .plan import LABELS, PRECISIONS
 
 
@@ -81,8 +82,10 @@ class BenchResult:
         return next((r for r in self.rows if (r["backend"], r["precision"], r["batch"], r["variant"])
                      == (backend, precision, batch, variant)), None)
 
-    def write_json(self, path) -> None:
-        write_json(os.fspath(path), self.data)
+    def write_json(self, path, in_place_ok: bool = False) -> None:
+        """Atomically (graphmp.save.write_json); in_place_ok: a FIFO, character device or this
+        process's own stream that the user named (--json /dev/stdout) is written in place."""
+        write_json(os.fspath(path), self.data, in_place_ok)
 
     def table(self) -> str:
         d = self.data
@@ -139,6 +142,7 @@ class BenchResult:
             raise GraphmpError("the plot needs matplotlib: pip install 'graphmp[plot]' "
                                "(or pip install matplotlib)") from None
         path = os.fspath(path)
+        check_target(path, "the plot")  # a FIFO, device or /dev/stdout: refused, never replaced
         ok = [r for r in self.rows if r["status"] == "ok" and r["variant"] == "default"]
         backends = [b for b in self.data["backends"] if any(r["backend"] == b for r in ok)]
         fig = Figure(figsize=(5.5 * max(1, len(backends)), 4.5))

@@ -3,6 +3,14 @@
 The pieces it composes are testable alone: plan.py (which rows), runners.py (prepare,
 run, time, outputs per backend), judge.py (accuracy and the TF32 yardstick), models.py
 (the compared models), report.py (table / JSON / PNG).
+
+Untrusted models and users' files: before any work, every file the run will write (the
+kept models and engines of `keep`, the timing cache, the caller's `outputs` such as
+--json / --plot) is checked against every file it reads (the model and --converted with
+their external data files, --data): an output that is an input, or two outputs that are
+one file, is a one-line GraphmpError; a kept file or timing cache that is a device, FIFO
+or directory is refused. A model ONNX Runtime refuses is a one-line error (no input
+shapes, no FP32 reference) or rows that say why, never a traceback.
 """
 from __future__ import annotations
 
@@ -18,11 +26,12 @@ import onnx
 from ..budget import tf32_model
 from ..check import check
 from ..convert import convert
-from ..errors import GraphmpError
+from ..errors import GraphmpError, first_line
 from ..inputs import batch_positions, find_shapes, generate, input_specs, parse_shapes, rebatch, user_batches
-from ..io import load_model, model_weight_bytes
+from ..io import load_model, model_inputs, model_weight_bytes
 from ..oracle import run_ort
 from ..oracle import runner as ort_runner
+from ..paths import check_target, refuse_clobber
 from ..progress import Progress
 from . import judge as J
 from .env import environment, gpu_names
@@ -34,6 +43,72 @@ from .runners import (TIMING, TIMING_TEXT, FellBack, OrtRunner, TrtRunner, devic
 
 SCHEMA_VERSION = 2
 CUDNN_SEARCH = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
+KEPT_SUFFIX = {"fp32": "fp32", "fp16": "mp", "occ": "occ", "ort-opt": "ortopt"}  # work/STEM.SUFFIX.onnx
+
+
+def kept_model(work: str, path: str, precision: str) -> str:
+    """Where the run writes the `precision` model of the source `path` in its work folder."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return os.path.join(work, f"{stem}.{KEPT_SUFFIX[precision]}.onnx")
+
+
+def kept_engine(work: str, src: str, precision: str, batch: int) -> str:
+    """Where a kept run writes the TensorRT engine of model `src` at `precision` and `batch`."""
+    return os.path.join(work, f"{os.path.splitext(os.path.basename(src))[0]}.{precision}.b{batch}.plan")
+
+
+def input_files(model, converted=None, data=None) -> list:
+    """(label, real path) of every file a run reads: the model and --converted with their
+    external data files (graphmp.io.model_files), and --data."""
+    out = model_inputs("the model", model) + (model_inputs("--converted", converted) if converted is not None else [])
+    if data is not None:
+        out.append(("--data", os.fspath(data)))
+    return out
+
+
+def _planned_outputs(s: Settings, path: str, graph, converted, keep) -> list:
+    """(label, path) of the files a kept run writes into `keep` (see bench())."""
+    if keep is None:
+        return []
+    keep = os.fspath(keep)
+    models, written = {}, []  # precision -> the model its rows run; the models the run writes
+    if "graphmp" in {p.key for p in graph.metadata_props}:  # already converted: its own fp16 rows only
+        models["fp16"] = path
+    else:
+        models["fp32"] = models["tf32"] = kept_model(keep, path, "fp32")
+        written.append(models["fp32"])
+        if converted is not None:
+            models["fp16"] = os.fspath(converted)
+        else:
+            models["fp16"] = kept_model(keep, path, "fp16")
+            written.append(models["fp16"])
+        for p in ("occ", "ort-opt"):
+            if p in s.precisions:
+                models[p] = kept_model(keep, path, p)
+                written.append(models[p])
+    out = [("--keep output", f) for f in written]
+    if "trt" in s.backends:
+        out += [("--keep output", kept_engine(keep, f, p, b)) for p, f in models.items() if p in s.precisions
+                and p != "ort-opt" for b in s.batches]
+        if s.timing_cache is None:
+            out.append(("--keep output", os.path.join(keep, "timing.cache")))
+    return out
+
+
+def refuse_overwrites(s: Settings, path: str, graph, converted=None, keep=None, outputs=()) -> list:
+    """Before any work: no file the run writes (kept models and engines, the timing cache,
+    the caller's `outputs`) may be a file it reads, or another output; a kept file or the
+    timing cache may not be a device, FIFO or directory. Returns the inputs (label, path)."""
+    inputs = input_files(path, converted, s.data)
+    if keep is not None and os.path.exists(keep) and not os.path.isdir(keep):
+        raise GraphmpError(f"{os.fspath(keep)}: --keep names a file, not a folder; give a folder to keep the "
+                           "compared models and engines in")
+    planned = _planned_outputs(s, path, graph, converted, keep)
+    cache = [("--timing-cache", os.fspath(s.timing_cache))] if s.timing_cache is not None else []
+    refuse_clobber(list(outputs) + planned + cache, inputs)
+    for what, f in planned + cache:
+        check_target(f, what)
+    return inputs
 
 
 @dataclass
@@ -106,7 +181,7 @@ def _batches(x) -> list:
 
 def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=None, compare=None,
           compare_occ: bool = False, batches=(1,), keep=None, command: str | None = None, progress: bool = True,
-          **options) -> BenchResult:
+          outputs=(), **options) -> BenchResult:
     """Time and check `model` (an FP32 .onnx, or one already converted by graphmp) per backend,
     precision, batch and session-option variant. See graphmp.bench's docstring for what is
     measured and the JSON schema.
@@ -121,6 +196,8 @@ def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=
       cudnn_conv_algo_search, timing_cache, workspace_mb, max_error, tf32_factor, atol, rtol,
       oracle_max_mb, model_type).
     keep: a folder to keep the compared models and engines in (default: a temporary one).
+    outputs: (label, path) of other files the caller will write (--json, --plot): refused,
+      like the kept files, when one is an input file (see refuse_overwrites).
     """
     if command is None:
         command = f"graphmp.bench({os.fspath(model)!r}, backends={backends!r}, batches={batches!r}, ...)"
@@ -132,6 +209,7 @@ def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=
     graph = load_model(path)
     if converted is not None:
         load_model(os.fspath(converted))
+    inputs = refuse_overwrites(s, path, graph, converted, keep, outputs)
     base_feeds = None
     if s.data is not None:
         ((_, base_feeds),) = user_batches(os.fspath(s.data), input_specs(graph), "--data")
@@ -139,6 +217,7 @@ def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=
         work = tmp if keep is None else os.fspath(keep)
         os.makedirs(work, exist_ok=True)
         run = _Run(s, path, graph, work, kept=keep is not None, progress=progress)
+        run.inputs = inputs
         run.prepare_models(converted)
         run.prepare_inputs(base_feeds)
         run.run_rows()
@@ -161,8 +240,7 @@ class _Run:
     # --- models
     def prepare_models(self, converted):
         path, s = self.path, self.s
-        stem = os.path.splitext(os.path.basename(path))[0]
-        out = lambda suffix: os.path.join(self.work, f"{stem}.{suffix}.onnx")  # noqa: E731
+        out = lambda p: kept_model(self.work, path, p)  # noqa: E731
         self.already = "graphmp" in {p.key for p in self.graph.metadata_props}
         self.source = None if self.already else path
         if self.already:
@@ -179,12 +257,12 @@ class _Run:
             self.models["fp16"] = os.fspath(converted)
         else:
             self.log(f"converting {path} with graphmp.convert")
-            d = convert(path, out("mp"), calibration=[s.data] if s.data is not None else None).to_dict()
+            d = convert(path, out("fp16"), calibration=[s.data] if s.data is not None else None).to_dict()
             self.conversion = {k: d.get(k) for k in ("seconds", "nodes", "casts_added", "weight_bytes_before",
                                                      "weight_bytes_after", "warnings")}
-            self.models["fp16"] = out("mp")
+            self.models["fp16"] = out("fp16")
         makers = {"occ": lambda: {"path": convert_occ(path, out("occ"))},
-                  "ort-opt": lambda: convert_ort_opt(path, out("ortopt"), s.model_type)}
+                  "ort-opt": lambda: convert_ort_opt(path, out("ort-opt"), s.model_type)}
         for p in (p for p in COMPARE if p in s.precisions):
             self.log(f"{p}: converting {path} with {SOURCES[p]}")
             try:
@@ -203,7 +281,13 @@ class _Run:
             self.inputs_text = (f"{os.fspath(s.data)} (batch dims: "
                                 f"{', '.join(f'{n}[{a}]' for n, a in positions) or 'none'})")
         else:
-            plan = find_shapes(graph, ort_runner(self.source or self.models["fp16"]), s.shapes, where=self.path)
+            src = self.source or self.models["fp16"]
+            try:
+                run = ort_runner(src)
+            except Exception as e:  # noqa: BLE001 - an op ORT lacks, a malformed node: one line, no traceback
+                raise GraphmpError(f"{src}: ONNX Runtime cannot load the model ({first_line(e)}); bench needs it to "
+                                   "find the input shapes and compute the FP32 reference") from None
+            plan = find_shapes(graph, run, s.shapes, where=self.path)
             # --shapes pins every dim it names, the batch too; --batch still sets the symbolic batch dims
             positions, own = plan.batch_dims or batch_positions(specs), {1}
             self.inputs_text = f"generated: {plan.describe()} (shapes {plan.how}; batch dims from --batch: " \
@@ -301,8 +385,10 @@ class _Run:
         t0 = time.perf_counter()
         try:
             if b == "trt":
-                engine = None if not self.kept else os.path.join(
-                    self.work, f"{os.path.splitext(os.path.basename(src))[0]}.{p}.b{spec.batch}.plan")
+                engine = None if not self.kept else kept_engine(self.work, src, p, spec.batch)
+                if engine is not None:  # the batch may differ from the one checked before the run
+                    refuse_clobber([("--keep output", engine)], self.inputs)
+                    check_target(engine, "--keep output")
                 runner = TrtRunner(src, feeds, tf32=p != "fp32", workspace_mb=s.workspace_mb, engine_path=engine,
                                    timing_cache=s.timing_cache or os.path.join(self.work, "timing.cache"))
                 row["build_s"], row["engine_bytes"] = runner.build_s, runner.engine_bytes
@@ -355,26 +441,42 @@ class _Run:
         s, self.yardsticks = self.s, []
         if self.source is None:
             return
-        measured = {}
+        measured, failed = {}, {}
         for row in self.rows:
             if row["precision"] == "tf32" and id(row) in self.outputs:
-                measured[(row["backend"], row["batch"], row["variant"])] = J.errors_of(
-                    self.reference(row["batch"]), self.outputs[id(row)])
+                try:
+                    measured[(row["backend"], row["batch"], row["variant"])] = J.errors_of(
+                        self.reference(row["batch"]), self.outputs[id(row)])
+                except Exception as e:  # noqa: BLE001 - said below, on every row of that batch
+                    failed.setdefault(row["batch"], first_line(e))
         seen = set()
         for row in self.rows:
             outs = self.outputs.pop(id(row), None)
             if outs is None:
                 continue
             key = (row["backend"], row["batch"], row["variant"])
+            try:
+                if row["batch"] in failed:
+                    raise GraphmpError(failed[row["batch"]])
+                ref = self.reference(row["batch"])
+            except Exception as e:  # noqa: BLE001 - ORT CPU refuses the FP32 source here: no accuracy
+                why = failed.setdefault(row["batch"], first_line(e))
+                note = (f"batch {row['batch']}: accuracy not judged: ONNX Runtime CPU cannot run the FP32 source "
+                        f"({why})")
+                if note not in self.notes:
+                    self.notes.append(note)
+                continue
             if key in measured:
                 yard, src = measured[key], f"tf32 row ({row['backend']}, {row['variant']})"
             else:
-                yard, src = self.emulated_tf32(row["batch"]), J.EMULATED
+                try:
+                    yard, src = self.emulated_tf32(row["batch"]), J.EMULATED
+                except Exception as e:  # noqa: BLE001 - no yardstick: max_error alone judges
+                    yard, src = None, f"none: TF32 emulation on ORT CPU failed ({first_line(e)}); max_error alone"
             if (row["batch"], src) not in seen:
                 seen.add((row["batch"], src))
                 self.yardsticks.append({"batch": row["batch"], "source": src, "errors": yard})
-            row["accuracy"] = J.judge_outputs(self.reference(row["batch"]), outs, yard, s.max_error, s.tf32_factor,
-                                      s.atol, s.rtol)
+            row["accuracy"] = J.judge_outputs(ref, outs, yard, s.max_error, s.tf32_factor, s.atol, s.rtol)
             row["accuracy"]["yardstick"] = src
 
     # --- oracle, notes, result
