@@ -196,6 +196,8 @@ def open_model(src, dst=None, by_reference: bool = False):
         model = onnx.ModelProto()
         model.CopyFrom(src)
         path, base_dir = "<model>", None
+        check_graph(model, path)  # a model built in memory gets the checks a file gets
+        check_schemas(model, path)
     else:
         path = os.fspath(src)
         if dst is not None:

@@ -68,6 +68,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxruntime as ort
 from graphmp.cli import main
+from graphmp.paths import iter_tensors
 
 # Scale of the suite: examples of the main test (convert --no-calibration); the other
 # tests get a share of it (_n), the sweep half. The default keeps the file well under a
@@ -366,25 +367,9 @@ class Example:
             f.write(blob)
 
 
-def all_tensors(graph):
-    """Every TensorProto of a graph and its subgraphs: initializers, sparse initializers,
-    tensor attributes (Constant values) -- all of them may name an external file."""
-    yield from graph.initializer
-    for sp in graph.sparse_initializer:
-        yield sp.values
-        yield sp.indices
-    for n in graph.node:
-        for a in n.attribute:
-            if a.HasField("t"):
-                yield a.t
-            yield from a.tensors
-            if a.HasField("sparse_tensor"):
-                yield a.sparse_tensor.values
-                yield a.sparse_tensor.indices
-            if a.HasField("g"):
-                yield from all_tensors(a.g)
-            for sg in a.graphs:
-                yield from all_tensors(sg)
+# Every TensorProto of a graph and its subgraphs: initializers, sparse initializers, tensor
+# attributes (Constant values) -- all of them may name an external file.
+all_tensors = iter_tensors
 
 
 def _pick(seq, i):

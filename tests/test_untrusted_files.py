@@ -263,10 +263,18 @@ def test_pad_and_check_outputs_never_name_an_input(tmp_path, capsys):
     assert _sha(data) == before
 
 
-@pytest.mark.parametrize("kind", ["fifo", "dir", "symlink-to-fifo"])
+@pytest.mark.parametrize("kind", ["fifo", "dir", "symlink-to-fifo", "symlink-to-null", "symlink-to-stdout"])
 def test_model_output_that_is_no_regular_file_is_refused(tmp_path, capsys, kind):
+    """(Devices through a link of the test's own: were the check broken, the link, not the
+    system's /dev/null, would be replaced.)"""
     src, _ = _torch_style(tmp_path)
     out = tmp_path / "out.onnx"
+    if kind in ("symlink-to-null", "symlink-to-stdout"):
+        os.symlink("/dev/null" if kind == "symlink-to-null" else "/proc/self/fd/1", out)
+        _one_error(main(["convert", src, "-o", str(out), "-q", "--no-calibration"]), capsys.readouterr().err,
+                   "character device" if kind == "symlink-to-null" else "own stream")
+        assert os.path.islink(out)
+        return
     if kind == "dir":
         out.mkdir()
     else:
@@ -291,6 +299,18 @@ def test_report_into_a_character_device_is_written_in_place(tmp_path, capsys):
                  "--report", str(link)]) == 0
     import stat
     assert os.path.islink(link) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_report_into_this_process_stdout_is_written_through_it(tmp_path, capfd):
+    """--report /dev/stdout with stdout redirected to a file (here: pytest's capture file)
+    resolves to a regular file; the report goes into it, and the link is never replaced."""
+    src, _ = _torch_style(tmp_path)
+    link = tmp_path / "stdout"
+    os.symlink("/proc/self/fd/1", link)  # what /dev/stdout is
+    assert main(["convert", src, "-o", str(tmp_path / "o.onnx"), "-q", "--no-calibration",
+                 "--report", str(link)]) == 0
+    assert '"graphmp_version"' in capfd.readouterr().out
+    assert os.path.islink(link) and os.readlink(link) == "/proc/self/fd/1"
 
 
 def test_report_into_a_fifo_is_written_in_place(tmp_path):

@@ -13,4 +13,7 @@
     data.py       training/eval data: .npz or batch iterables, batching, label and NaN/inf checks before use
     device.py     which ONNX Runtime providers a run asks for, and a check that it got them
     plot.py       write_loss_png(): run/loss.png, with matplotlib if importable, else numpy + zlib
+    runfiles.py   a run folder's files: names from its JSON checked, corrupt files and write errors as one line
+    evaluator.py  the inference graph with the current weights; eval loss/accuracy
+    ort_checks.py ONNX Runtime runs while a step is built (calibration batch, the step graph loads)
 """

@@ -17,6 +17,9 @@ which file graphmp opens, writes or deletes outside it:
   reference external data), or a one-line error naming the file.
 - writing(path, what): an OSError while writing a run file (a full disk, a read-only
   folder) becomes a one-line error naming the file ("the disk is full" for ENOSPC).
+- check_run_dir / clear_run_dir / write_run: train-graph's run folder, checked before any
+  work (not empty without --force, writable, the model not one of its files), cleared of
+  the old run's files only, then written (train.json last).
 - run_paths(run_dir): the files graphmp writes in a run folder (RUN_NAMES and
   ckpt-<digits>.npz); refuse_run_files() refuses a user's file (data, the model) that is
   one of them, compared with paths.refuse_clobber (samefile / realpath).
@@ -33,6 +36,9 @@ import stat
 import numpy as np
 
 from ..errors import GraphmpError, first_line
+from ..io import model_files
+from ..save import save_npz, write_json
+from .builder import save_checked
 
 TRAIN_JSON = "train.json"
 CHECKPOINT = "checkpoint.json"
@@ -266,3 +272,52 @@ def export_inputs(run_dir, meta: dict) -> list[tuple[str, str]]:
         out += [("the run's source model" if i == 0 else "a data file of the run's source model", f)
                 for i, f in enumerate(model_files(src))]
     return out
+
+
+def check_run_dir(out_dir: str, force: bool, model_path: str, calibration=None) -> None:
+    """Before any work: refuse a non-empty run folder unless force; a model (or one of its
+    data files, or a calibration file) that is a file the run writes (--force would delete
+    or replace it); a folder that cannot be written (read-only, permission denied)."""
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise GraphmpError(f"{out_dir}: exists and is not a folder; choose another run folder with -o.")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
+        raise GraphmpError(f"{out_dir}: the run folder is not empty; choose another folder, or pass --force "
+                           "(force=True) to replace its run (its checkpoints are deleted).")
+    if os.path.isdir(out_dir):
+        given = [("the model" if i == 0 else "a data file of the model", f)
+                 for i, f in enumerate(model_files(model_path) if os.path.isfile(model_path) else [])]
+        cal = calibration if isinstance(calibration, (list, tuple)) else []
+        given += [("--calibration", os.fspath(c)) for c in cal if isinstance(c, (str, os.PathLike))]
+        refuse_run_files(out_dir, given, "Move it out of the run folder, or choose another run folder with -o.")
+    d = os.path.abspath(out_dir)
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
+        d = os.path.dirname(d)
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise GraphmpError(f"{out_dir}: cannot write the run folder: {d} is read-only (permission denied); "
+                           "choose a writable folder with -o.")
+
+
+def clear_run_dir(out_dir: str) -> None:
+    """Remove the old run's files (train.json first, so an interrupted rebuild is never taken
+    for a complete run); called once the new step is built, so a failed build leaves the old
+    run as it was. Only the names graphmp writes there (runfiles.RUN_FILE) and only regular
+    files or symlinks (the link itself, never its target) are removed; everything else stays."""
+    if os.path.isdir(out_dir):
+        names = [n for n in os.listdir(out_dir) if RUN_FILE.fullmatch(n)]
+        for n in sorted(names, key=lambda n: (n != "train.json", n)):
+            p = os.path.join(out_dir, n)
+            if stat.S_ISREG(os.lstat(p).st_mode) or os.path.islink(p):
+                os.unlink(p)
+    os.makedirs(out_dir, exist_ok=True)
+
+
+def write_run(out_dir: str, step, infer, init: dict, meta: dict, full: bool) -> None:
+    """Replace the run folder's files with the new run's (train.json last); an OSError (a
+    read-only folder, a full disk) is one line naming the run folder or the file."""
+    with writing(out_dir, "the run folder", "the run folder may hold an incomplete run; fix that and run train-graph "
+                 "again (with --force if the folder is not empty)"):
+        clear_run_dir(out_dir)
+        save_checked(step, os.path.join(out_dir, "step.onnx"), full=full)
+        save_checked(infer, os.path.join(out_dir, "infer.onnx"), full=full)
+        save_npz(os.path.join(out_dir, "state.npz"), init)
+        write_json(os.path.join(out_dir, "train.json"), meta)

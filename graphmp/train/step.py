@@ -54,24 +54,22 @@ from __future__ import annotations
 import copy
 import os
 import re
-import stat
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GraphmpError
-from ..io import iter_graphs, load_model, model_files, tensor_array
-from ..save import save_npz, write_json
+from ..io import iter_graphs, load_model, tensor_array
 from ..opset import upgrade
 from ..passes.prepare import initializers_out_of_inputs
 from . import losses, optim, source
 from .builder import (Builder, all_names, ancestors, dims, elem_name, lift_to_inputs, passes_full_check, producer,
-                      prune, save_checked, value_info)
+                      prune, value_info)
 from .losses import LOSS, LOSSES  # noqa: F401  (re-exported)
 from .optim import ACCUM, ACCUM_COUNT, OPTIMIZERS, SCHEDULES
 from .ort_checks import calibration_batch, check_runs
-from .runfiles import RUN_FILE, RUN_NAMES, refuse_run_files, writing
+from .runfiles import check_run_dir, write_run
 from .source import NON_TRAINABLE  # noqa: F401  (re-exported)
 
 NEXT = "__next"
@@ -108,10 +106,6 @@ def _static_length_tensors(model, cfg) -> list:
         return []
     return [t for n in model.graph.node for t in n.output if t]
 
-
-# files of a run folder that --force removes before writing the new run (train.json first; exact
-# names and ckpt-<digits>.npz: runfiles.RUN_FILE)
-RUN_FILES = RUN_NAMES[:2] + ("ckpt-*.npz",) + RUN_NAMES[2:]
 
 # old private names, kept for importers
 _Builder = Builder
@@ -163,55 +157,6 @@ def _validate_config(cfg: dict, path: str):
             re.compile(cfg["trainable"])
         except re.error as e:
             bad(f"trainable '{cfg['trainable']}' is not a valid regular expression ({e})")
-
-
-def _check_run_dir(out_dir: str, force: bool, model_path: str, calibration=None) -> None:
-    """Before any work: refuse a non-empty run folder unless force; a model (or one of its
-    data files, or a calibration file) that is a file the run writes (--force would delete
-    or replace it); a folder that cannot be written (read-only, permission denied)."""
-    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
-        raise GraphmpError(f"{out_dir}: exists and is not a folder; choose another run folder with -o.")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
-        raise GraphmpError(f"{out_dir}: the run folder is not empty; choose another folder, or pass --force "
-                           "(force=True) to replace its run (its checkpoints are deleted).")
-    if os.path.isdir(out_dir):
-        given = [("the model" if i == 0 else "a data file of the model", f)
-                 for i, f in enumerate(model_files(model_path) if os.path.isfile(model_path) else [])]
-        cal = calibration if isinstance(calibration, (list, tuple)) else []
-        given += [("--calibration", os.fspath(c)) for c in cal if isinstance(c, (str, os.PathLike))]
-        refuse_run_files(out_dir, given, "Move it out of the run folder, or choose another run folder with -o.")
-    d = os.path.abspath(out_dir)
-    while not os.path.isdir(d) and os.path.dirname(d) != d:
-        d = os.path.dirname(d)
-    if not os.access(d, os.W_OK | os.X_OK):
-        raise GraphmpError(f"{out_dir}: cannot write the run folder: {d} is read-only (permission denied); "
-                           "choose a writable folder with -o.")
-
-
-def _clear_run_dir(out_dir: str) -> None:
-    """Remove the old run's files (train.json first, so an interrupted rebuild is never taken
-    for a complete run); called once the new step is built, so a failed build leaves the old
-    run as it was. Only the names graphmp writes there (runfiles.RUN_FILE) and only regular
-    files or symlinks (the link itself, never its target) are removed; everything else stays."""
-    if os.path.isdir(out_dir):
-        names = [n for n in os.listdir(out_dir) if RUN_FILE.fullmatch(n)]
-        for n in sorted(names, key=lambda n: (n != "train.json", n)):
-            p = os.path.join(out_dir, n)
-            if stat.S_ISREG(os.lstat(p).st_mode) or os.path.islink(p):
-                os.unlink(p)
-    os.makedirs(out_dir, exist_ok=True)
-
-
-def _write_run(out_dir: str, step, infer, init: dict, meta: dict, full: bool) -> None:
-    """Replace the run folder's files with the new run's (train.json last); an OSError (a
-    read-only folder, a full disk) is one line naming the run folder or the file."""
-    with writing(out_dir, "the run folder", "the run folder may hold an incomplete run; fix that and run train-graph "
-                 "again (with --force if the folder is not empty)"):
-        _clear_run_dir(out_dir)
-        save_checked(step, os.path.join(out_dir, "step.onnx"), full=full)
-        save_checked(infer, os.path.join(out_dir, "infer.onnx"), full=full)
-        save_npz(os.path.join(out_dir, "state.npz"), init)
-        write_json(os.path.join(out_dir, "train.json"), meta)
 
 
 def _needed_opset(model) -> int:
@@ -268,7 +213,7 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
                num_classes=None, lr_schedule=lr_schedule, warmup_steps=int(warmup_steps),
                total_steps=None if total_steps is None else int(total_steps), grad_accum=int(grad_accum))
     _validate_config(cfg, path)
-    _check_run_dir(out_dir, force, path, calibration)
+    check_run_dir(out_dir, force, path, calibration)
 
     src = load_model(path)
     if any(p.key == "graphmp" for p in src.metadata_props):
@@ -469,7 +414,7 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
         "convert": None if convert_report is None else {
             k: convert_report.get(k) for k in ("nodes", "casts_added", "fp32_by_reason", "calibration")},
     }
-    _write_run(out_dir, fwd, infer, init, meta, full=src_check is None)
+    write_run(out_dir, fwd, infer, init, meta, full=src_check is None)
     return meta
 
 
