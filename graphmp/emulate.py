@@ -26,7 +26,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .io import CONVERT_MARK, attr_graphs, iter_graphs, tensor_array
+from .io import CONVERT_MARK, attr_graphs, iter_graphs, load_model, tensor_array
 from .ir import Names
 
 LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -170,7 +170,7 @@ def emulated_runner(model, base_dir: str | None = None):
     if not isinstance(model, onnx.ModelProto):
         import os
         base_dir = os.path.dirname(os.path.abspath(os.fspath(model)))
-        model = onnx.load(os.fspath(model), load_external_data=False)
+        model = load_model(os.fspath(model))  # checked, its small/attribute external tensors inline
     run = runner(emulation_model(model, base_dir), base_dir=base_dir, optimize=False)
 
     def emulated(feeds: dict) -> dict:

@@ -126,6 +126,16 @@ def alignment(model: onnx.ModelProto, multiple: int) -> dict:
             "fraction": (layers - len(unaligned)) / layers if layers else 1.0, "unaligned": unaligned}
 
 
+def _sort(model: onnx.ModelProto) -> None:
+    """Every graph in topological order (the source's nodes may come in any order; the
+    checker wants them sorted), as convert's last pass does."""
+    from .ir import Graph
+    root = Graph(model.graph, None, "main")
+    for g in root.walk():
+        g.toposort()
+    root.write_back()
+
+
 def _outputs_off_initializers(model: onnx.ModelProto) -> None:
     """A graph output that is an initializer is read through an Identity of it, so that
     padding the weight (which changes its shape) never changes what the output declares;
@@ -157,6 +167,7 @@ def pad_model(model: onnx.ModelProto, base_dir: str | None, multiple: int, stem:
     before = model_weight_bytes(model)
     aligned_before = alignment(model, multiple)
     rep = pad_channels(model, base_dir, multiple, stem, max_overhead)
+    _sort(model)
     rep["aligned_before"], rep["aligned_after"] = aligned_before, alignment(model, multiple)
     rep["needs_copy"] = [u for u in rep["unaligned"] if u.get("needs_copy")]
     rep["weight_bytes_before"] = before

@@ -10,7 +10,8 @@ petabyte weight). `check_graph` checks every graph, If/Loop/Scan subgraphs inclu
    every graph output is a graph input, an initializer (sparse ones too) or a node output
    of this graph (in any order: graphmp sorts nodes later) or of an enclosing graph
    (subgraphs read outer-scope values; Loop/Scan bodies also their own graph inputs);
-   no graph output is listed twice.
+   no graph output is listed twice, one that is an initializer declares its type and
+   shape, and no attribute refers to a function's attribute outside a function.
 2. One producer per name within a graph: no two nodes write the same tensor, no node
    writes a graph input or initializer, no two initializers or graph inputs share a name.
 3. No cycles: the nodes of each graph form a DAG, counting a subgraph's reads of this
@@ -111,6 +112,9 @@ def _check_graph(g, path: str, where: str, outer: list) -> set:
             if x:
                 names.append(x)
         for a in n.attribute:
+            if a.ref_attr_name:
+                _fail(path, f"{where} {_node(n, i)} attribute {_q(a.name)} refers to a function attribute "
+                      f"{_q(a.ref_attr_name)}, but the node is not inside a function body")
             for suffix, sg in _sub_graphs(a):
                 label = f"subgraph {_q(sg.name)}" if sg.name else "subgraph"
                 label += f" (attribute {_q(a.name)}{suffix} of {_node(n, i)}"
@@ -123,6 +127,8 @@ def _check_graph(g, path: str, where: str, outer: list) -> set:
         if v.name in listed:
             _fail(path, f"{where} lists output {_q(v.name)} twice (each graph output is one tensor, named once)")
         listed.add(v.name)
+        if defined.get(v.name) == -1:
+            _check_declared(v, g, path, where)
         if v.name not in defined:
             if not any(v.name in s for s in outer):
                 _fail(path, f"{where} output {_q(v.name)} is not written by any node, nor a graph input or "
@@ -130,6 +136,20 @@ def _check_graph(g, path: str, where: str, outer: list) -> set:
             free.add(v.name)
     _check_acyclic(g, defined, reads, path, where)
     return free
+
+
+def _check_declared(v, g, path: str, where: str) -> None:
+    """A graph output that is an initializer declares the type and shape the initializer
+    has (no node's inference would catch a mismatch; one added in front of it would)."""
+    t = next((t for t in g.initializer if t.name == v.name), None)
+    tt = v.type.tensor_type if v.type.HasField("tensor_type") else None
+    if t is None or tt is None:
+        return
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim] if tt.HasField("shape") else None
+    if (tt.elem_type and tt.elem_type != t.data_type) or (dims is not None and (
+            len(dims) != len(t.dims) or any(d is not None and d != w for d, w in zip(dims, t.dims)))):
+        _fail(path, f"{where} output {_q(v.name)} is the initializer of that name ({_dims(t.dims)}, type "
+              f"{t.data_type}) but declares type {tt.elem_type} shape {dims}")
 
 
 def _definitions(g, path: str, where: str) -> dict:

@@ -924,6 +924,8 @@ def _(ex, i, how):
         n.attribute.remove(_pick(list(n.attribute), i))
         return "If node: a branch attribute removed"
     b = _pick([a.g for a in n.attribute if a.type == onnx.AttributeProto.GRAPH], i)
+    if b is None:
+        return f"If node: no branch left for {how} (did not apply)"
     if how == "branch_extra_output":
         b.output.add().CopyFrom(b.output[0])
         b.output[-1].name = b.node[0].input[0]
@@ -1120,27 +1122,31 @@ def _exc_summary(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}  [{where}]"
 
 
-def _source_validity(path: str, fifos) -> tuple[bool, bool]:
-    """(passes onnx's full check, loads in ONNX Runtime) for the mutated source model. An
-    output is held to what its source meets, as `graphmp check` holds it: a source that
-    fails the full check (a wrong value_info type, a bad graph input type) gives an output
-    held to the basic check, and one ONNX Runtime refuses need not load there either.
+def _source_validity(path: str, fifos) -> tuple[str | None, bool]:
+    """(the checker the mutated source passes: "full", "basic" or None; whether it loads in
+    ONNX Runtime). An output is held to what its source meets, as `graphmp check` holds
+    it: a source that fails the full check (a wrong value_info type, a bad graph input
+    type) gives an output held to the basic check; one that fails even that (graphmp
+    accepts tensor types without a shape, which old exporters write and ONNX Runtime
+    runs) is not held to the checker; one ONNX Runtime refuses need not load there either.
     The full check runs on a copy whose external weights are graph inputs of their type
     and shape, so it reads no data file (the FIFO cases would hang it)."""
     try:
         m = onnx.load(path, load_external_data=False)
     except Exception:
-        return False, False
+        return None, False
     names = {i.name for i in m.graph.input}
     for t in [t for t in m.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]:
         m.graph.initializer.remove(t)
         if t.name not in names:
             m.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    try:
-        onnx.checker.check_model(m, full_check=True)
-        full = True
-    except Exception:
-        full = False
+    full = None
+    for level in ("basic", "full"):
+        try:
+            onnx.checker.check_model(m, full_check=level == "full")
+            full = level
+        except Exception:
+            break
     if fifos:
         return full, False
     so = ort.SessionOptions()
@@ -1153,11 +1159,12 @@ def _source_validity(path: str, fifos) -> tuple[bool, bool]:
     return full, loads
 
 
-def _check_model_file(path: str, full: bool = True, loads: bool = True) -> str | None:
-    """None if the model passes the checker (the full one when `full`) and, when `loads`,
-    loads in ONNX Runtime; else why not."""
+def _check_model_file(path: str, checker: str | None = "full", loads: bool = True) -> str | None:
+    """None if the model passes the checker (the full one, the basic one, or none: see
+    _source_validity) and, when `loads`, loads in ONNX Runtime; else why not."""
     try:
-        onnx.checker.check_model(path, full_check=full)
+        if checker is not None:
+            onnx.checker.check_model(path, full_check=checker == "full")
     except Exception as e:
         return f"onnx.checker: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
     if not loads:

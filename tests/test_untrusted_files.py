@@ -386,3 +386,28 @@ def test_a_kill_between_any_two_file_operations_leaves_a_consistent_pair(tmp_pat
     assert k >= 6, f"only {k} file operations were interrupted"
     assert seen == {"old", "new"}
     assert np.array_equal(_outputs(out, x), new)
+
+
+def test_constant_in_external_data_is_read_from_the_models_folder_not_the_cwd(tmp_path, monkeypatch, capsys):
+    """onnx's numpy_helper reads an external tensor relative to the working directory: a
+    Constant whose value lives in external data must be read from the model's folder by
+    every command (check's FP16 emulation loaded the model itself and read the cwd)."""
+    w = np.arange(32, dtype=np.float32).reshape(8, 4) / 32  # exact in FP16
+    ref = _matmul_model(onnx.numpy_helper.from_array(w, "W"))
+    (tmp_path / "m").mkdir()
+    onnx.save(ref, tmp_path / "ref.onnx")
+    (tmp_path / "m" / "w.data").write_bytes(w.astype(np.float16).tobytes())
+    w16 = _external("W16", "w.data", [8, 4], length=str(64))
+    w16.data_type = TensorProto.FLOAT16  # an FP16 Constant, as a converted model holds
+    conv = _matmul_model(helper.make_tensor("unused", TensorProto.FLOAT, [1], [0.0]))
+    del conv.graph.initializer[:]
+    conv.graph.node.insert(0, helper.make_node("Cast", ["W16"], ["W"], to=TensorProto.FLOAT, name="cast"))
+    conv.graph.node.insert(0, helper.make_node("Constant", [], ["W16"], value=w16, name="c"))
+    onnx.save(conv, tmp_path / "m" / "conv.onnx")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "w.data").write_bytes(np.full((8, 4), 3e4, np.float16).tobytes())  # what a cwd read would see
+    monkeypatch.chdir(cwd)
+    rc = main(["check", str(tmp_path / "ref.onnx"), str(tmp_path / "m" / "conv.onnx")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "PASS" in out, out

@@ -375,3 +375,44 @@ def test_check_is_linear_on_a_long_chain():
     model.graph.node[0].input[0] = f"t{n}"  # r{n-1} now reads its own output
     with pytest.raises(GraphmpError, match="cycle"):
         check_graph(model, "m.onnx")
+
+
+# --------------------------------------------------------------------------- found by the fuzz suite
+def test_output_that_is_an_initializer_must_declare_what_it_is(capsys, tmp_path):
+    """No node's inference checks a graph output that is an initializer; a Cast or Identity
+    put in front of it would, so the mismatch is refused at load."""
+    model = _mlp(outputs=[_vi("y", F32, [2, 8]), _vi("b", F32, [1, 8])])
+    _rejected(capsys, tmp_path, model, PAD, "output 'b'", "initializer", "[1, 8]")
+
+
+def test_output_that_is_an_initializer_pads_and_converts(tmp_path, capsys):
+    """Declared as it is, such an output survives padding (the weight read through an
+    Identity) and conversion, and the results pass the full checker."""
+    model = _mlp(outputs=[_vi("y", F32, [2, 8]), _vi("b", F32, [8])])
+    m = tmp_path / "m.onnx"
+    onnx.save(model, str(m))
+    for cmd in ("pad", "convert"):
+        out = tmp_path / f"{cmd}.onnx"
+        assert main([cmd, str(m), "-o", str(out)] + (["-q"] if cmd == "convert" else [])) == 0, capsys.readouterr()
+        onnx.checker.check_model(str(out), full_check=True)
+
+
+def test_reference_attribute_outside_a_function(capsys, tmp_path):
+    model = _mlp()
+    a = oh.make_attribute("alpha", 0.1)
+    a.ref_attr_name = "outer"
+    _node(model.graph, "relu").op_type = "LeakyRelu"
+    _node(model.graph, "relu").attribute.append(a)
+    _rejected(capsys, tmp_path, model, PAD, "'relu'", "not inside a function")
+
+
+def test_pad_writes_sorted_graphs(tmp_path, capsys):
+    """The nodes of a source may come in any order; pad's output is sorted like convert's."""
+    model = _mlp()
+    nodes = list(model.graph.node)[::-1]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    m, out = tmp_path / "m.onnx", tmp_path / "out.onnx"
+    onnx.save(model, str(m))
+    assert main(["pad", str(m), "-o", str(out)]) == 0, capsys.readouterr()
+    onnx.checker.check_model(str(out), full_check=True)
