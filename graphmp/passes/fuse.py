@@ -217,9 +217,9 @@ def run(ctx) -> PassResult | None:
     if model_type is None:
         ctx.warn(f"--fuse ort: no known fusion for this model ({why}); converted unfused")
         return PassResult(changed=False, details={**details, "fused": {}, "note": f"no known fusion: {why}"})
+    _materialize_external(ctx)  # first: detect_dims reads weights with onnx's to_array, which reads no file
     heads, hidden = detect_dims(model)
     details.update(num_heads=heads, hidden_size=hidden)
-    _materialize_external(ctx)
     fused, failed = _try_optimize(model, model_type, heads, hidden)
     if failed and model_type != "bert":
         # bert's fusions (LayerNorm, SkipLayerNorm, Gelu, attention) apply to most transformers
