@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from onnx import TensorProto
 
 from .errors import GraphmpError
+from .ir import attr_graphs, iter_graphs  # noqa: F401  (re-exported: most modules take them from here)
 from .paths import (allow_self_reference, check_external, check_target, data_files, external_file, note_inputs,
                     refuse_clobber)
 from .sanity import check_graph, check_schemas
@@ -25,20 +26,6 @@ from .wire import BY_REFERENCE_MIN, read_by_reference
 
 TWO_GB = 2**31
 INLINE_LIMIT = 1024  # tensors this small stay inline when writing external data
-
-
-def attr_graphs(a) -> list:
-    """The subgraphs an attribute holds (If branches, Loop/Scan bodies)."""
-    return [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
-
-
-def iter_graphs(graph):
-    """Every GraphProto in the model: the main graph and all subgraphs."""
-    yield graph
-    for n in graph.node:
-        for a in n.attribute:
-            for g in attr_graphs(a):
-                yield from iter_graphs(g)
 
 
 def is_external(t: TensorProto) -> bool:

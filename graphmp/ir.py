@@ -14,7 +14,20 @@ import onnx
 from onnx import GraphProto, ModelProto, NodeProto
 
 from .errors import GraphmpError
-from .io import attr_graphs
+
+
+def attr_graphs(a) -> list:
+    """The subgraphs an attribute holds (If branches, Loop/Scan bodies)."""
+    return [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+
+
+def iter_graphs(graph):
+    """Every GraphProto in the model: the main graph and all subgraphs."""
+    yield graph
+    for n in graph.node:
+        for a in n.attribute:
+            for g in attr_graphs(a):
+                yield from iter_graphs(g)
 
 
 class Node:

@@ -27,12 +27,12 @@ import stat
 from onnx import TensorProto
 
 from .errors import GraphmpError
+from .ir import attr_graphs
 
 
 def iter_tensors(graph):
     """Every TensorProto a graph holds, subgraphs included: initializers, sparse
     initializers' values and indices, and tensor-valued node attributes (Constant)."""
-    from .io import attr_graphs
     yield from graph.initializer
     for s in graph.sparse_initializer:
         yield s.values
