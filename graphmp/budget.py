@@ -28,7 +28,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .errors import GraphmpError
-from .io import attr_graphs
+from .io import attr_graphs, iter_graphs, skeleton
 from .ir import Names
 
 METRICS = ("max-rel", "max-abs", "argmax")
@@ -116,6 +116,24 @@ def errors(refs: list, gots: list, metric: str) -> dict:
 
 
 # --------------------------------------------------------------------------- TF32
+def _not_fp32(model: onnx.ModelProto) -> set:
+    """Tensors proven to be of another type than FP32 (declared, or by onnx's shape inference
+    on the weightless skeleton): an FP16 or mixed source's Conv/MatMul operands, which TF32
+    rounding must leave alone (Mul(fp16, fp32) is no valid node). Unknown types count as FP32."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(skeleton(model), check_type=False, strict_mode=False)
+    except Exception:  # noqa: BLE001 - custom ops, broken annotations: the declared types then
+        inferred = model
+    out = set()
+    for g in iter_graphs(inferred.graph):
+        for v in list(g.input) + list(g.output) + list(g.value_info):
+            elem = v.type.tensor_type.elem_type if v.type.HasField("tensor_type") else 0
+            if elem and elem != onnx.TensorProto.FLOAT:
+                out.add(v.name)
+        out.update(t.name for t in g.initializer if t.data_type != onnx.TensorProto.FLOAT)
+    return out
+
+
 def tf32_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of the FP32 model whose Conv/MatMul/Gemm/Einsum float inputs are rounded to
     TF32 first, with FP32 arithmetic only (Veltkamp: c = x * 8193; x' = c - (c - x) keeps
@@ -123,6 +141,7 @@ def tf32_model(model: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     names = Names(out)
+    other = _not_fp32(out)
     k = names.fresh("graphmp_tf32_split")
     out.graph.initializer.append(numpy_helper.from_array(np.array(8193, np.float32), k))
 
@@ -135,8 +154,8 @@ def tf32_model(model: onnx.ModelProto) -> onnx.ModelProto:
             slots = TF32_OPS.get(n.op_type, ()) if n.domain in ("", "ai.onnx") else ()
             for i in (range(len(n.input)) if slots is None else slots):
                 x = n.input[i] if i < len(n.input) else ""
-                if not x or (n.op_type in ("Conv", "ConvTranspose") and i == 2):
-                    continue  # biases are added in FP32
+                if not x or (n.op_type in ("Conv", "ConvTranspose") and i == 2) or x in other:
+                    continue  # biases are added in FP32; FP16/BF16 operands have no TF32 rounding
                 if x not in done:
                     c, d, y = (names.fresh(f"{x}__tf32_{s}") for s in ("c", "d", "r"))
                     nodes += [helper.make_node("Mul", [x, k], [c], name=names.fresh("tf32_mul")),

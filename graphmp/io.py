@@ -134,6 +134,21 @@ def _inline_small_external(model, base: str) -> None:
                     inline(a.sparse_tensor.indices)
 
 
+def skeleton(model):
+    """A copy of the model whose external and large FP32 weights carry no data (dims and
+    types kept): what shape inference needs, at the cost of the graph, not the weights."""
+    skel = onnx.ModelProto()
+    skel.CopyFrom(model)
+    for g in iter_graphs(skel.graph):
+        for t in g.initializer:
+            if t.data_location == TensorProto.EXTERNAL or (t.data_type == TensorProto.FLOAT and len(t.raw_data) > 4096):
+                t.ClearField("raw_data")
+                t.ClearField("float_data")
+                del t.external_data[:]
+                t.data_location = TensorProto.DEFAULT
+    return skel
+
+
 def model_files(path) -> list[str]:
     """The model file and every data file its external tensors read (real paths), for
     refusing outputs that would overwrite them. [] when the model cannot be read (the

@@ -176,3 +176,18 @@ def test_user_overrides_still_win():
     rep = graphmp.convert(m, None, calibration=batches, max_error=5e-3, fp32_nodes="^mm4$")
     assert rep.fp32_nodes["mm4"] == "user: --fp32-nodes"
     assert {"add200", "sub200"} <= set(rep.fp32_nodes)
+
+
+def test_tf32_budget_on_an_fp16_source(tmp_path, capsys):
+    """--max-error tf32 on a model that is already FP16 (here onnxconverter-common's, with
+    FP32 asked back for one node): the TF32 yardstick rounds only FP32 operands (a Mul of
+    an FP16 tensor by the FP32 split constant was an invalid node and a traceback)."""
+    from onnxconverter_common import float16
+    from graphmp.cli import main
+    src = tmp_path / "fp16.onnx"
+    onnx.save(float16.convert_float_to_float16(onnx.load(os.path.join(ROOT, "models", "real", "mnist_cntk.onnx")),
+                                               keep_io_types=False), src)
+    out = tmp_path / "out.onnx"
+    rc = main(["convert", str(src), "-o", str(out), "-q", "--max-error", "tf32", "--fp32-nodes", "Plus"])
+    assert rc == 0, capsys.readouterr().err
+    onnx.checker.check_model(str(out), full_check=True)

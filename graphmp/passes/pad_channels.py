@@ -45,7 +45,7 @@ from .pad_flow import BINARY_FILL, POOLS, UNARY, ChannelFlow
 from .pad_layout import Layout, model_flops, round_up, scatter
 from .pad_producers import ProducerPads
 from .pad_weights import WeightPads
-from .types import skeleton
+from ..io import skeleton
 
 __all__ = ["Layout", "Padder", "pad_channels", "round_up", "scatter"]
 

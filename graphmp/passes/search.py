@@ -86,7 +86,7 @@ def whole(regions) -> frozenset:
 def _node_costs(ctx, batch) -> dict:
     """name -> FLOPs (Conv/MatMul/Gemm: multiply-adds x 2; other ops: output elements)
     from shape inference with the batch's concrete input shapes; missing shapes -> 0."""
-    from .types import skeleton
+    from ..io import skeleton
     skel = skeleton(ctx.model)
     for v in skel.graph.input:
         if v.name in batch:

@@ -14,26 +14,10 @@ from __future__ import annotations
 import itertools
 
 import onnx
-from onnx import TensorProto
 
 from .. import ops
 from . import PassResult
-from ..io import attr_graphs, iter_graphs
-
-
-def skeleton(model):
-    """A copy of the model whose external and large FP32 weights carry no data (dims and
-    types kept): what shape inference needs, at the cost of the graph, not the weights."""
-    skel = onnx.ModelProto()
-    skel.CopyFrom(model)
-    for g in iter_graphs(skel.graph):
-        for t in g.initializer:
-            if t.data_location == TensorProto.EXTERNAL or (t.data_type == TensorProto.FLOAT and len(t.raw_data) > 4096):
-                t.ClearField("raw_data")
-                t.ClearField("float_data")
-                del t.external_data[:]
-                t.data_location = TensorProto.DEFAULT
-    return skel
+from ..io import attr_graphs, skeleton
 
 
 def _declared(g_proto) -> dict:
