@@ -9,6 +9,12 @@ Metrics, per output, over every element of every batch:
 A value that is finite in FP32 and not in the mixed model makes the error infinite.
 
 Budgets:
+  auto:K   the yardstick (the default of check, --validate and bench): per output,
+           max(the metric's own tolerance (1e-2 for max-rel, 0 for max-abs and argmax),
+           K x the TF32 error, K x the FP16-input floor), K = 2 by default: an FP16 model
+           is judged against what the GPU's TF32 and the inputs' own FP16 rounding
+           already cost, so a model whose input rounding alone exceeds 1e-2 can pass,
+           and one that overflows or cancels in FP16 still fails;
   E        that error for every output;
   tf32     per output, the error of the FP32 model when Conv/MatMul/Gemm/Einsum inputs
            are rounded to TF32 (10-bit mantissa, the default of ORT CUDA, TensorRT and
@@ -36,27 +42,33 @@ MIN_BUDGET = 2.0 ** -11
 TF32_OPS = {"Conv": None, "ConvTranspose": None, "MatMul": None, "Gemm": (0, 1), "Einsum": None}
 
 
+METRIC_FLOOR = {"max-rel": 1e-2, "max-abs": 0.0, "argmax": 0.0}  # auto's least budget per metric
+DEFAULT = "auto"
+
+
 def parse(spec) -> tuple[str, float]:
-    """('abs', E) | ('tf32', 1.0) | ('floor', K) from --max-error's text (or a number)."""
+    """('abs', E) | ('tf32', 1.0) | ('floor', K) | ('auto', K) from --max-error's text (or a number)."""
     if isinstance(spec, (int, float)):
         kind, value = "abs", float(spec)
     else:
         text = str(spec).strip().lower()
         if text == "tf32":
             return "tf32", 1.0
-        if text.startswith("floor"):
-            k = text[len("floor"):]
+        for name in ("floor", "auto"):
+            if not text.startswith(name):
+                continue
+            k = text[len(name):]
             try:
                 value = float(k[1:]) if k.startswith(":") else 2.0 if not k else float("nan")
             except ValueError:
                 value = float("nan")
             if not value > 0:
-                raise GraphmpError(f"--max-error '{spec}': write floor or floor:K with K > 0 (e.g. floor:2)")
-            return "floor", value
+                raise GraphmpError(f"--max-error '{spec}': write {name} or {name}:K with K > 0 (e.g. {name}:2)")
+            return name, value
         try:
             kind, value = "abs", float(text)
         except ValueError:
-            raise GraphmpError(f"--max-error '{spec}' is not a number, 'tf32' or 'floor[:K]' "
+            raise GraphmpError(f"--max-error '{spec}' is not a number, 'auto[:K]', 'tf32' or 'floor[:K]' "
                                "(e.g. --max-error 1e-2)") from None
     if not value > 0:
         raise GraphmpError(f"--max-error must be > 0, not {spec}")
@@ -209,7 +221,7 @@ def measure(model, batches: list, refs: list, spec, metric: str = "max-rel",
         raise GraphmpError("--metric argmax: no output of the model holds class scores ([N, C] or [N, T, V]); "
                            "use --metric max-rel or max-abs")
     b = Budget(str(spec), metric, floor=floor)
-    if kind == "tf32":
+    if kind in ("tf32", "auto"):
         if not isinstance(model, onnx.ModelProto):  # a path: the rewrite needs the graph and weights
             import os
             base_dir = os.path.dirname(os.path.abspath(os.fspath(model)))
@@ -217,9 +229,11 @@ def measure(model, batches: list, refs: list, spec, metric: str = "max-rel",
         run_tf32 = runner(tf32_model(model), base_dir=base_dir, optimize=False)
         b.tf32 = errors(refs, [run_tf32(x) for x in batches], metric)
         base = b.tf32
+    if kind == "auto":  # the yardstick: what the metric tolerates, or K x what FP32 itself moves by
+        base = {k: max(METRIC_FLOOR[metric], value * b.tf32.get(k, 0.0), value * f) for k, f in floor.items()}
     elif kind == "floor":
         base = {k: value * v for k, v in floor.items()}
-    else:
+    elif kind == "abs":
         base = {k: value for k in floor}
     measured = kind != "abs"  # a measured budget can be 0 (an output input rounding does not move)
     b.allowed = {k: max(v, MIN_BUDGET) if measured and metric != "argmax" else v for k, v in base.items()}

@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 
 from .errors import GraphmpError, first_line
-from .budget import as_tensor, measure, output_error, parse
+from .budget import DEFAULT, as_tensor, measure, output_error, parse
 from .emulate import emulated_runner
 from .inputs import find_shapes, input_specs, user_batches
 from .io import load_model
@@ -128,8 +128,10 @@ class CheckReport:
         if d.get("inputs"):
             lines.append(f"  inputs: {d['inputs']}")
         floor = (d.get("budget") or {}).get("floor", {})
+        tf32 = (d.get("budget") or {}).get("tf32") or {}
         for name, o in d["outputs"].items():
             judged = (f"{d['metric']} {o['error']:.4g} (allowed {o['allowed']:.4g}"
+                      + (f"; TF32 error {tf32[name]:.3g}" if name in tf32 else "")
                       + (f"; FP16 input floor {floor[name]:.3g}" if name in floor else "") + ")"
                       if o.get("error") is not None and o.get("allowed") is not None else "not judged by this metric")
             lines.append(f"  {name}: {'ok ' if o['passed'] else 'BAD'} {judged}; max abs {o['max_abs']:.4g}"
@@ -152,7 +154,7 @@ def _hints(d: dict, floor: dict) -> list[str]:
     near = [k for k, o in bad.items() if floor.get(k) and o["error"] <= 4 * floor[k]]
     if near:
         out.append(f"{', '.join(near)}: the error is within 4x what rounding only the inputs to FP16 costs; "
-                   "--max-error floor:4 judges against that floor")
+                   "--max-error auto:4 allows 4x the floor and the TF32 error")
     if bad:
         out.append("graphmp convert --max-error E (or tf32) converts to meet a budget")
     return out
@@ -230,7 +232,7 @@ def _batches(ref, data, shapes, seed, run_ref):
     return out, f"{len(out)} batch(es) of user data"
 
 
-def check(ref, converted, data=None, *, shapes=None, max_error=1e-2, metric: str = "max-rel",
+def check(ref, converted, data=None, *, shapes=None, max_error=DEFAULT, metric: str = "max-rel",
           atol: float | None = None, rtol: float | None = None, seed: int = 0,
           oracle: str = "emulation") -> CheckReport:
     """Compare `converted` against the FP32 `ref` (paths or ModelProtos) on `data` (an
@@ -239,8 +241,9 @@ def check(ref, converted, data=None, *, shapes=None, max_error=1e-2, metric: str
     `oracle` ("emulation" or "reference", see the module docstring).
 
     An output passes when it gains no inf/NaN and its error under `metric` is within
-    `max_error` (a number, "tf32" or "floor[:K]", as --max-error of convert; the
-    default: max |a-b| / max |ref| <= 1e-2); atol/rtol add an element-wise criterion."""
+    `max_error` (a number, "auto[:K]", "tf32" or "floor[:K]", as --max-error of convert;
+    the default "auto": max(1e-2 for max-rel, 2 x the TF32 error, 2 x the FP16-input
+    floor), see graphmp.budget); atol/rtol add an element-wise criterion."""
     parse(max_error)
     if oracle not in ORACLES:
         raise GraphmpError(f"--oracle must be one of {', '.join(ORACLES)}, not '{oracle}'")

@@ -121,8 +121,8 @@ def _add_convert(sub):
     c.add_argument("--no-external-data", dest="external_data", action="store_false")
     c.add_argument("--report", metavar="JSON", help="write the full report (every FP32 node and why) as JSON")
     c.add_argument("--validate", action="store_true", help="afterwards check the output (graphmp check): valid, "
-                   "and every output within --max-error (default: max|a-b|/max|ref| <= 1e-2) FP16-faithfully; "
-                   "exit 1 if not")
+                   "and every output within --max-error (default: the yardstick of graphmp check, max(1e-2, 2 x the "
+                   "TF32 error, 2 x the FP16-input floor)) FP16-faithfully; exit 1 if not")
     c.add_argument("--atol", type=float, help="--validate: also require |a-b| <= atol + rtol*|ref| everywhere")
     c.add_argument("--rtol", type=float, help="see --atol")
     c.add_argument("--pad-channels", type=int, metavar="N", help="also pad Conv channels and GEMM dims to "
@@ -150,8 +150,10 @@ def _add_check(sub):
     k.add_argument("--data", metavar="NPZ", nargs="+", help="inputs (.npz, one array per model input; several "
                    "files = several batches); default: generated")
     _add_shapes(k)
-    k.add_argument("--max-error", default="1e-2", metavar="E|tf32|floor[:K]",
-                   help="allowed error per output, as for convert --max-error (default 1e-2)")
+    k.add_argument("--max-error", default="auto", metavar="auto[:K]|E|tf32|floor[:K]",
+                   help="allowed error per output (default auto: max(1e-2 for max-rel, 2 x the TF32 error, 2 x the "
+                   "error of rounding only the inputs to FP16), both measured on the same inputs and printed); "
+                   "E, tf32, floor[:K] as for convert --max-error")
     k.add_argument("--metric", choices=["max-rel", "max-abs", "argmax"], default="max-rel",
                    help="max-rel = max|a-b| / max|ref| (default), max-abs, argmax = fraction of changed classes")
     k.add_argument("--atol", type=float, help="also require |a-b| <= atol + rtol*|ref| at every element")

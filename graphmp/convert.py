@@ -12,9 +12,11 @@ import os
 import time
 
 from .version import __version__
+from .budget import DEFAULT
 from .context import Ctx, Options
 from .errors import GraphmpError
-from .io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model, tensor_nbytes)
+from .io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model,
+                 tensor_nbytes)
 from .save import save_model
 from .wire import is_self_reference
 from .passes import PassResult, apply, calibrate, classify, fuse, paint, prepare, search, types
@@ -300,7 +302,7 @@ def _report_nodes(ctx):
 
 def _validate(report, ref, converted, opts):
     """check() on the calibration data when the user gave some, else on generated
-    inputs of the same shapes; judged by --max-error when given, else max-rel <= 1e-2."""
+    inputs of the same shapes; judged by --max-error when given, else check's yardstick."""
     from .check import check
     cal = opts.calibration
     data = None
@@ -309,5 +311,5 @@ def _validate(report, ref, converted, opts):
     elif isinstance(cal, (list, tuple)) and cal and cal[0] not in ("auto", "off"):
         data = cal[0]
     report["validation"] = check(ref, converted, data=data, shapes=opts.shapes, atol=opts.atol, rtol=opts.rtol,
-                                 max_error=opts.max_error if opts.max_error is not None else 1e-2,
+                                 max_error=opts.max_error if opts.max_error is not None else DEFAULT,
                                  metric=opts.metric).to_dict()
