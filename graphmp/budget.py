@@ -182,7 +182,8 @@ def tf32_model(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-def _round_float_inputs(feeds: dict) -> dict:
+def round_float_inputs(feeds: dict) -> dict:
+    """The feeds with FP32 arrays rounded to FP16 (and back): the FP16-input floor's inputs."""
     return {k: (v.astype(np.float16).astype(np.float32) if getattr(v, "dtype", None) == np.float32 else v)
             for k, v in feeds.items()}
 
@@ -216,7 +217,7 @@ def measure(model, batches: list, refs: list, spec, metric: str = "max-rel",
         raise GraphmpError(f"--metric must be one of {', '.join(METRICS)}, not '{metric}'")
     kind, value = parse(spec)
     run32 = runner(model, base_dir=base_dir, optimize=False)  # as the references (graphmp.passes.search)
-    floor = errors(refs, [run32(_round_float_inputs(b)) for b in batches], metric)
+    floor = errors(refs, [run32(round_float_inputs(b)) for b in batches], metric)
     if not floor:
         raise GraphmpError("--metric argmax: no output of the model holds class scores ([N, C] or [N, T, V]); "
                            "use --metric max-rel or max-abs")

@@ -553,7 +553,8 @@ accuracy, per output: err = max|a-b| / max|ref| (normalised: near-zero reference
   dominate), cosine similarity, SNR, argmax agreement (class scores). The TF32 error is
   the yardstick (the tf32 row of the same backend, batch and variant; on the CPU, TF32
   emulated): a row is in tolerance when it has no new inf/NaN and, per output,
-  err <= max(--max-error, --tf32-factor x TF32 err).
+  err <= max(--max-error, --tf32-factor x TF32 err, --tf32-factor x the FP16-input floor:
+  the FP32 source with only its inputs rounded to FP16), the yardstick of graphmp check.
 
 examples:
   graphmp bench model.onnx                                    # all backends, batch 1
@@ -639,7 +640,8 @@ def _add_bench(sub):
     b.add_argument("--timing-cache", metavar="FILE", help="TensorRT timing cache to read and update")
     b.add_argument("--workspace", type=int, metavar="MB", help="TensorRT builder workspace limit")
     b.add_argument("--max-error", type=float, default=1e-2, metavar="E", help="in tolerance: per output "
-                   "max|a-b|/max|ref| <= max(E, K x the TF32 error) (default 1e-2)")
+                   "max|a-b|/max|ref| <= max(E, K x the TF32 error, K x the FP16-input floor) (default 1e-2; the "
+                   "yardstick of graphmp check)")
     b.add_argument("--tf32-factor", type=float, default=2.0, metavar="K", help="K above (default 2)")
     b.add_argument("--atol", type=float, help="also require |a-b| <= atol + rtol*|ref| element-wise (default: "
                    "not applied)")

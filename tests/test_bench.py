@@ -648,7 +648,8 @@ def test_cli_help_has_examples(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for phrase in ("err <= max(--max-error, --tf32-factor x TF32 err)", "prefer_nhwc=1", "--compare",
+    for phrase in ("err <= max(--max-error, --tf32-factor x TF32 err, --tf32-factor x the FP16-input floor",
+                   "prefer_nhwc=1", "--compare",
                    "ort-opt", "fails its row", "same graph cleanups"):
         assert phrase in text, phrase
 
@@ -672,3 +673,16 @@ def test_ort_cuda_rows_fp32_tf32_fp16():
         assert r["output_shapes"] == {"logits": [b, 10]}
         assert r["accuracy"]["passed"], r["accuracy"]
     assert d["environment"]["gpus"]
+
+
+def test_bench_judges_by_the_yardstick_of_check(tmp_path):
+    """bench's allowance per output includes 2 x the FP16-input floor, as graphmp check's:
+    basic_pitch's input rounding alone costs > 1e-2, and its fp16 row is in tolerance."""
+    src = os.path.join(ROOT, "models", "real", "basic_pitch_nmp.onnx")
+    d = bench(src, backends="ort-cpu", batches=(1,), precisions="fp32,fp16", oracle_max_mb=0, **FAST).to_dict()
+    fp16 = next(r for r in d["rows"] if r["precision"] == "fp16")
+    outs = fp16["accuracy"]["outputs"]
+    assert any(o["input_floor"] > 1e-2 for o in outs.values())
+    for o in outs.values():
+        assert o["allowed"] >= 2 * o["input_floor"] and o["allowed"] >= 2 * (o["tf32_error"] or 0)
+    assert fp16["accuracy"]["passed"]

@@ -27,8 +27,9 @@ interface (runners.py), judges their accuracy (judge.py) and writes the report (
 - accuracy: per output, max|a-b|/max|ref| (`error`), max abs, cosine, SNR and argmax
   agreement, vs ONNX Runtime CPU on the FP32 source with the same inputs. The TF32 error
   is the yardstick: in tolerance = no new inf/NaN and error <= max(max_error, tf32_factor x
-  TF32 error) per output (the TF32 row of the same backend/batch/variant, else TF32
-  emulated on ORT CPU). On the CPU the FP16-faithful oracle also checks the mixed models.
+  TF32 error, tf32_factor x FP16-input floor) per output (the TF32 row of the same
+  backend/batch/variant, else TF32 emulated on ORT CPU; the floor: the FP32 source on ORT
+  CPU with only its inputs rounded to FP16), as graphmp check judges. On the CPU the FP16-faithful oracle also checks the mixed models.
 - memory: GPU rows: device memory in use after warm-up minus before the session/engine.
 
 JSON schema (schema_version 2; `BenchResult.to_dict()`, `graphmp bench --json`):

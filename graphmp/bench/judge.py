@@ -9,10 +9,11 @@ Per output (graphmp.budget.output_error where it fits):
   argmax_agree argmax agreement along the last axis, for class-score outputs ([N, C], [N, T, V])
   nonfinite    values that are finite in the reference and not in the row
 
-The yardstick is TF32: the error the GPU's default FP32 mode makes on the same inputs,
-per output: the measured tf32 row of the same backend, batch and variant where there is
-one, else TF32 emulated on ORT CPU (graphmp.budget.tf32_model: Conv/MatMul/Gemm inputs
-rounded to TF32). RULE says when a row is within tolerance.
+The yardstick, per output, is the one `graphmp check` judges by (graphmp.budget, auto):
+the error the GPU's default FP32 mode (TF32) makes on the same inputs (the measured tf32
+row of the same backend, batch and variant where there is one, else TF32 emulated on ORT
+CPU: graphmp.budget.tf32_model), and the FP16-input floor (the FP32 source on ORT CPU
+with only its inputs rounded to FP16). rule_text() says when a row is within tolerance.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def rule_text(max_error: float, k: float, atol=None, rtol=None) -> str:
     extra = f"; and |a-b| <= {atol or 0} + {rtol or 0}*|ref| everywhere" if atol is not None or rtol is not None \
         else ""
     return (f"in tolerance: no new inf/NaN and, for every output, max|a-b|/max|ref| <= max({max_error:g}, "
-            f"{k:g} x the TF32 error of that output){extra}")
+            f"{k:g} x the TF32 error, {k:g} x the FP16-input floor of that output){extra}")
 
 
 def output_metrics(ref, got) -> dict:
@@ -60,19 +61,20 @@ def errors_of(ref: dict, got: dict) -> dict:
 
 
 def judge_outputs(ref: dict, got: dict, yardstick: dict | None, max_error: float = DEFAULT_MAX_ERROR,
-          k: float = DEFAULT_TF32_FACTOR, atol=None, rtol=None) -> dict:
+          k: float = DEFAULT_TF32_FACTOR, atol=None, rtol=None, floor: dict | None = None) -> dict:
     """The accuracy entry of one row: per-output metrics, the worst of each, the TF32
-    yardstick and the verdict of rule_text(). `yardstick` is {output: TF32 error} or None
-    (then the allowance is max_error alone)."""
+    yardstick and the verdict of rule_text(). `yardstick` is {output: TF32 error} and
+    `floor` {output: FP16-input floor}, either None when not measured (the allowance is
+    then max_error and whichever was)."""
     per = {}
     for name, r in ref.items():
         if name not in got:
             per[name] = {"error": float("inf"), "missing": True, "passed": False}
             continue
         m = output_metrics(r, got[name])
-        tf32 = (yardstick or {}).get(name)
-        m["tf32_error"] = tf32
-        m["allowed"] = max(max_error, k * tf32) if tf32 is not None else max_error
+        tf32, low = (yardstick or {}).get(name), (floor or {}).get(name)
+        m["tf32_error"], m["input_floor"] = tf32, low
+        m["allowed"] = max([max_error] + [k * e for e in (tf32, low) if e is not None and np.isfinite(e)])
         m["vs_tf32"] = (m["error"] / tf32 if tf32 else None) if m["error"] is not None else None
         passed = m["nonfinite"] == 0 and m["error"] is not None and m["error"] <= m["allowed"]
         if passed and (atol is not None or rtol is not None):

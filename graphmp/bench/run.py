@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 
 import onnx
 
-from ..budget import tf32_model
+from ..budget import round_float_inputs, tf32_model
 from ..check import check
 from ..convert import convert
 from ..errors import GraphmpError, first_line
@@ -159,7 +159,7 @@ class _Run:
     def __init__(self, s: Settings, path, graph, work, kept, progress):
         self.s, self.path, self.graph, self.work, self.kept, self.progress = s, path, graph, work, kept, progress
         self.notes, self.models, self.model_errors, self.model_info = [], {}, {}, {}
-        self.rows, self.outputs, self.refs, self.emulated = [], {}, {}, {}
+        self.rows, self.outputs, self.refs, self.emulated, self.floors = [], {}, {}, {}, {}
         self.conversion = None
 
     def log(self, msg):
@@ -250,6 +250,17 @@ class _Run:
                 self._tf32_run = ort_runner(tf32_model(onnx.load(self.source)), base_dir=base, optimize=False)
             self.emulated[batch] = J.errors_of(self.reference(batch), self._tf32_run(self.feeds[batch]))
         return self.emulated[batch]
+
+    def input_floor(self, batch) -> dict | None:
+        """{output: error} of the FP32 source on ORT CPU with only its inputs rounded to FP16
+        at `batch` (the yardstick's second part, as in graphmp check); None if it cannot run."""
+        if batch not in self.floors:
+            try:
+                self.floors[batch] = J.errors_of(self.reference(batch),
+                                                 run_ort(self.source, round_float_inputs(self.feeds[batch])))
+            except Exception:  # noqa: BLE001 - ORT refuses the source: TF32 and max_error judge alone
+                self.floors[batch] = None
+        return self.floors[batch]
 
     # --- rows
     def backend_status(self) -> dict:
@@ -402,10 +413,11 @@ class _Run:
                     yard, src = self.emulated_tf32(row["batch"]), J.EMULATED
                 except Exception as e:  # noqa: BLE001 - no yardstick: max_error alone judges
                     yard, src = None, f"none: TF32 emulation on ORT CPU failed ({first_line(e)}); max_error alone"
+            floor = self.input_floor(row["batch"])
             if (row["batch"], src) not in seen:
                 seen.add((row["batch"], src))
-                self.yardsticks.append({"batch": row["batch"], "source": src, "errors": yard})
-            row["accuracy"] = J.judge_outputs(ref, outs, yard, s.max_error, s.tf32_factor, s.atol, s.rtol)
+                self.yardsticks.append({"batch": row["batch"], "source": src, "errors": yard, "input_floor": floor})
+            row["accuracy"] = J.judge_outputs(ref, outs, yard, s.max_error, s.tf32_factor, s.atol, s.rtol, floor)
             row["accuracy"]["yardstick"] = src
 
     # --- oracle, notes, result
