@@ -10,8 +10,9 @@
    Runtime CUDA:
    - "emulation" (default): graphmp.emulate, FP16 storage with FP32 math on ONNX
      Runtime (what Tensor Cores do; the same measure --max-error uses), fast at any size;
-   - "reference": onnx.reference, every arithmetic step in FP16 numpy (stricter on long
-     reductions; slow on large activations). It is trusted only where it reproduces ONNX
+   - "reference": onnx.reference, each op in FP16 numpy (ops onnx defines by a function
+     body, e.g. HardSwish, round after every step of it; slow on large activations: see
+     graphmp.emulate for how the two differ). It is trusted only where it reproduces ONNX
      Runtime on the FP32 source; where it does not, or cannot run, the emulation judges
      and the report says so. ONNX Runtime CPU itself never judges: it computes most FP16
      ops in FP32 and hides overflow.

@@ -161,7 +161,8 @@ def _add_check(sub):
     k.add_argument("--oracle", choices=["emulation", "reference"], default="emulation",
                    help="who computes the converted model FP16-faithfully: emulation = FP16 storage with FP32 math "
                    "on ONNX Runtime (as Tensor Cores; fast; the measure of --max-error; default), reference = "
-                   "onnx.reference, every step in FP16 numpy (stricter on long sums, slow on big inputs)")
+                   "onnx.reference, each op in FP16 numpy (function-bodied ops such as HardSwish round at every "
+                   "step; slow on big inputs)")
     k.add_argument("--json", metavar="PATH", help="write the result as JSON")
 
 

@@ -13,9 +13,14 @@ unoptimised, an emulated run costs about what an optimised FP32 run does.
 Semantics, "FP16 storage, FP32 math": each op reads the FP16-rounded values of its
 inputs, computes in FP32, and its FP16 outputs are rounded once. That is what Tensor
 Cores do for Conv/MatMul/Gemm (FP32 accumulation) and what most CUDA FP16 kernels do for
-elementwise work. onnx.reference (graphmp.oracle.run_reference) instead does every
-arithmetic step in FP16 numpy, so it accumulates long reductions in FP16: its errors are
-larger on large K. The two agree on rounding, overflow and underflow at op boundaries;
+elementwise work. onnx.reference (graphmp.oracle.run_reference) instead runs each op in
+its declared FP16 type with numpy: numpy's FP16 matmul accumulates in FP32 and its sums
+are pairwise, so Conv/MatMul/Gemm and plain reductions come out as an ideal kernel's (one
+rounding of the exact result), but an op that onnx defines by a function body runs step
+by step in FP16 and rounds after each step (HardSwish = HardSigmoid then Mul: outputs one
+ulp off where an ideal kernel rounds once), and ReduceMean accumulates in FP16 (the mean of
+1000 values of 100 is inf there, 100 for a kernel that accumulates in FP32). It models kernels that round at every step of a decomposed op,
+not an ideal kernel. The two agree on rounding, overflow and underflow at op boundaries;
 tests/test_emulate.py holds them against each other.
 
 Used where many evaluations are needed (the precision search) or where the reference
