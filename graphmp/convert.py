@@ -298,6 +298,11 @@ def _report_nodes(ctx):
                            "total": sum(counts.values())}
     ctx.report["fp32_nodes"] = fp32_nodes
     ctx.report["fp32_by_reason"] = dict(collections.Counter(_reason_group(e["reason"]) for e in fp32_nodes).most_common())
+    if not counts["low"] and counts["fp32"]:
+        why = "; ".join(f"{n} {r}" for r, n in list(ctx.report["fp32_by_reason"].items())[:3])
+        ctx.warn(f"nothing was converted: all {counts['fp32']} float nodes stay FP32 ({why}), so the output "
+                 f"computes as the source does; --fp16-nodes REGEX forces nodes to {ctx.options.target.upper()} "
+                 "where the op has a low-precision form")
 
 
 def _validate(report, ref, converted, opts):

@@ -686,3 +686,14 @@ def test_bench_judges_by_the_yardstick_of_check(tmp_path):
     for o in outs.values():
         assert o["allowed"] >= 2 * o["input_floor"] and o["allowed"] >= 2 * (o["tf32_error"] or 0)
     assert fp16["accuracy"]["passed"]
+
+
+def test_bench_says_when_the_fp16_rows_are_the_fp32_model(tmp_path):
+    """A model graphmp converts nothing of: its fp16 rows are labelled as what they are."""
+    g = onnx.helper.make_graph([onnx.helper.make_node("Softmax", ["x"], ["y"], axis=-1, name="sm")], "g",
+                               [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 8])],
+                               [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8])])
+    src = tmp_path / "sm.onnx"
+    onnx.save(onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)]), src)
+    res = bench(str(src), backends="ort-cpu", batches=(1,), precisions="fp32,fp16", oracle_max_mb=0, **FAST)
+    assert any("converted no node to FP16" in n for n in res.to_dict()["notes"]), res.to_dict()["notes"]

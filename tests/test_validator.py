@@ -229,3 +229,17 @@ def test_yardstick_still_fails_a_model_that_overflows_in_fp16(tmp_path, capsys):
     rep = check(model, cases.case_05_naive_fp16(), data=feeds)
     assert not rep.passed and rep.to_dict()["max_error"] == "auto"
     assert any(o["nonfinite"] or o["error"] > o["allowed"] for o in rep.outputs.values())
+
+
+def test_a_conversion_that_converts_nothing_says_so(tmp_path, capsys):
+    """A model whose float work all stays FP32 (here one Softmax) converts with exit 0 and
+    a warning that names why, instead of a silent '0 fp16' (issue 25, any source)."""
+    from onnx import helper as oh
+    g = oh.make_graph([oh.make_node("Softmax", ["x"], ["y"], axis=-1, name="sm")], "g",
+                      [oh.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                      [oh.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])])
+    src = tmp_path / "sm.onnx"
+    onnx.save(oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)]), src)
+    assert main(["convert", str(src), "-o", str(tmp_path / "o.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "warning: nothing was converted: all 1 float nodes stay FP32 (1 range-sensitive op" in out, out

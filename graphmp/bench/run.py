@@ -190,6 +190,9 @@ class _Run:
             self.conversion = {k: d.get(k) for k in ("seconds", "nodes", "casts_added", "weight_bytes_before",
                                                      "weight_bytes_after", "warnings")}
             self.models["fp16"] = out("fp16")
+            if not (d.get("nodes") or {}).get("low"):
+                self.notes.append("fp16 rows: graphmp converted no node to FP16 (see the conversion's warnings), so "
+                                  "they run the FP32 model behind graphmp's cleanups, not FP16 compute")
         makers = {"occ": lambda: {"path": convert_occ(path, out("occ"))},
                   "ort-opt": lambda: convert_ort_opt(path, out("ort-opt"), s.model_type)}
         for p in (p for p in COMPARE if p in s.precisions):
