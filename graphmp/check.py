@@ -220,22 +220,23 @@ def _named(run, what: str):
     return named
 
 
-def _batches(ref, data, shapes, seed, run_ref):
-    """[(feeds, description)] from the user's data or generated inputs."""
+def _batches(ref, data, shapes, seed, run_ref, flag: str = "--data"):
+    """[(feeds, description)] from the user's data or generated inputs; `flag` is the
+    option that gives data in the command that asked (check: --data, convert: --calibration)."""
     specs = input_specs(ref)
     if data is None:
         plan = find_shapes(ref, run_ref, shapes, where="check")
         ids = [n for n, h in plan.hints.items() if isinstance(h, dict)]
         ids = f"; {', '.join(ids)} uniform over the rows they index" if ids else ""
-        return [plan.feeds(seed)], (f"generated ({plan.describe()}; shapes {plan.how}; floats ~N(0,1){ids}: --data "
+        return [plan.feeds(seed)], (f"generated ({plan.describe()}; shapes {plan.how}; floats ~N(0,1){ids}: {flag} "
                                     "with real inputs checks the range the model will really see)")
-    out = [feeds for _, feeds in user_batches(data, specs, "--data")]
+    out = [feeds for _, feeds in user_batches(data, specs, flag)]
     return out, f"{len(out)} batch(es) of user data"
 
 
 def check(ref, converted, data=None, *, shapes=None, max_error=DEFAULT, metric: str = "max-rel",
           atol: float | None = None, rtol: float | None = None, seed: int = 0,
-          oracle: str = "emulation") -> CheckReport:
+          oracle: str = "emulation", data_flag: str = "--data") -> CheckReport:
     """Compare `converted` against the FP32 `ref` (paths or ModelProtos) on `data` (an
     .npz path, a dict of inputs, a list of them, or None for generated inputs whose
     dynamic dims come from `shapes` ('x:1x3x640x640,...') or a trial run), judged by
@@ -263,7 +264,7 @@ def check(ref, converted, data=None, *, shapes=None, max_error=DEFAULT, metric: 
         run_ref = runner(ref, optimize=False)  # as the emulation: ORT's fusions are not FP16 error
     except Exception as e:  # noqa: BLE001
         raise GraphmpError(f"{names['reference']}: ONNX Runtime cannot load the FP32 reference ({first_line(e)})") from None
-    batches, described = _batches(ref_graph, data, shapes, seed, run_ref)
+    batches, described = _batches(ref_graph, data, shapes, seed, run_ref, data_flag)
     run_ref = _named(run_ref, f"{names['reference']}: ONNX Runtime cannot run the FP32 reference on these inputs")
     try:
         run_emu = _named(emulated_runner(converted), f"{names['converted']}: the FP16 emulation (ONNX Runtime CPU) "

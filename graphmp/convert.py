@@ -317,4 +317,4 @@ def _validate(report, ref, converted, opts):
         data = cal[0]
     report["validation"] = check(ref, converted, data=data, shapes=opts.shapes, atol=opts.atol, rtol=opts.rtol,
                                  max_error=opts.max_error if opts.max_error is not None else DEFAULT,
-                                 metric=opts.metric).to_dict()
+                                 metric=opts.metric, data_flag="--calibration").to_dict()

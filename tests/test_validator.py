@@ -243,3 +243,14 @@ def test_a_conversion_that_converts_nothing_says_so(tmp_path, capsys):
     assert main(["convert", str(src), "-o", str(tmp_path / "o.onnx")]) == 0
     out = capsys.readouterr().out
     assert "warning: nothing was converted: all 1 float nodes stay FP32 (1 range-sensitive op" in out, out
+
+
+def test_validate_hints_at_conversions_own_data_flag(tmp_path, capsys):
+    """convert --validate on generated inputs points at --calibration (convert has no --data);
+    graphmp check keeps pointing at --data."""
+    out = str(tmp_path / "m.onnx")
+    assert main(["convert", MNIST, "-o", out, "--validate"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "inputs: generated" in x)
+    assert "--calibration with real inputs" in line and "--data" not in line
+    assert main(["check", MNIST, out]) == 0
+    assert "--data with real inputs" in capsys.readouterr().out
