@@ -195,11 +195,28 @@ def _run_convert(args) -> int:
         print(f"graphmp: --validate skipped: {d.get('validation_skipped', 'nothing was converted')}", file=sys.stderr)
         return 0
     if args.validate and not d["validation"]["passed"]:
-        print(f"graphmp: validation FAILED for {out}; see the per-output errors above. --max-error makes the "
+        print(f"graphmp: validation FAILED for {out}: {_failed_outputs(d['validation'])}. --max-error makes the "
               "conversion meet a budget; --calibration with real data finds the ranges your inputs reach.",
               file=sys.stderr)
         return 1
     return 0
+
+
+def _failed_outputs(v: dict) -> str:
+    """What failed in a validation, in words (so -q, which prints no report, still says it)."""
+    if not v["validity"]["valid"]:
+        return f"the model is invalid (onnx.checker: {v['validity']['checker']}; ONNX Runtime: {v['validity']['ort']})"
+    bad = []
+    for name, o in v["outputs"].items():
+        if o["passed"]:
+            continue
+        if o.get("nonfinite"):
+            bad.append(f"'{name}' gains {o['nonfinite']} inf/NaN")
+        elif o.get("error") is not None and o.get("allowed") is not None and o["error"] > o["allowed"]:
+            bad.append(f"'{name}' {v['metric']} {o['error']:.3g} > allowed {o['allowed']:.3g}")
+        else:
+            bad.append(f"'{name}' outside --atol/--rtol somewhere")
+    return "; ".join(bad[:4]) + (f"; and {len(bad) - 4} more outputs" if len(bad) > 4 else "")
 
 
 EPILOG_PAD = """\

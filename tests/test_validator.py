@@ -254,3 +254,12 @@ def test_validate_hints_at_conversions_own_data_flag(tmp_path, capsys):
     assert "--calibration with real inputs" in line and "--data" not in line
     assert main(["check", MNIST, out]) == 0
     assert "--data with real inputs" in capsys.readouterr().out
+
+
+def test_quiet_validate_failure_says_what_failed(tmp_path, capsys):
+    """-q prints no report, so the failure line itself names the output and the criterion
+    (it said 'see the per-output errors above', which -q had hidden)."""
+    rc = main(["convert", MNIST, "-o", str(tmp_path / "m.onnx"), "-q", "--validate", "--atol", "1e-9", "--rtol", "0"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "above" not in err
+    assert "'Plus214_Output_0' outside --atol/--rtol" in err, err
