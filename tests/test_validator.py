@@ -263,3 +263,14 @@ def test_quiet_validate_failure_says_what_failed(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1 and "above" not in err
     assert "'Plus214_Output_0' outside --atol/--rtol" in err, err
+
+
+def test_bf16_validate_on_a_cpu_is_judged_not_called_invalid(tmp_path, capsys):
+    """The CPU provider has no BF16 Gemm: that is this machine, not the model. --validate
+    judges the BF16 model by the emulation, passes it, and says where BF16 runs (it was
+    'INVALID' with a hint about --max-error)."""
+    src = os.path.join(ROOT, "models", "tiny", "resnet.onnx")
+    rc = main(["convert", src, "-o", str(tmp_path / "b.onnx"), "--target", "bf16", "--validate"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "INVALID" not in out, out
+    assert "has no kernel for a node of this model" in out and "BF16 runs on ORT CUDA" in out
