@@ -76,6 +76,10 @@ def _add_shapes(p):
     p.add_argument("--shapes", metavar="NAME:DIMS,...", help=SHAPES_HELP)
 
 
+def _add_quiet(p, text: str = "print nothing but errors"):
+    p.add_argument("-q", "--quiet", action="store_true", help=text)
+
+
 def _writable(path, what):
     """Fail before long work when a user-named text output cannot be written (nothing is
     written); a FIFO or character device is written in place."""
@@ -135,7 +139,7 @@ def _add_convert(sub):
     c.add_argument("--model-type", metavar="TYPE", help="--fuse ort: the model type of ORT's optimizer (bert, "
                    "gpt2, vit, clip, t5, ...; default: found from the graph: encoder -> bert, causal decoder -> "
                    "gpt2, patch-embedding vision model -> vit)")
-    c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    _add_quiet(c)
 
 
 def _add_check(sub):
@@ -164,6 +168,7 @@ def _add_check(sub):
                    "onnx.reference, each op in FP16 numpy (function-bodied ops such as HardSwish round at every "
                    "step; slow on big inputs)")
     k.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    _add_quiet(k, "print nothing but errors; a FAIL prints its verdict line (the exit code says it too)")
 
 
 def _run_convert(args) -> int:
@@ -260,7 +265,7 @@ def _add_pad(sub):
                    "inputs; exit 1 if outputs differ by more than --atol or change shape")
     c.add_argument("--atol", type=float, default=1e-4)
     _add_shapes(c)
-    c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    _add_quiet(c)
 
 
 def _run_pad(args) -> int:
@@ -301,7 +306,10 @@ def _run_check(args) -> int:
                 max_error=args.max_error, metric=args.metric, oracle=args.oracle)
     if args.json:
         write_json(args.json, rep.to_dict())
-    print(rep.summary())
+    if not args.quiet:
+        print(rep.summary())
+    elif not rep.passed:  # -q: the verdict alone, where it fails
+        print(rep.summary().splitlines()[0], file=sys.stderr)
     return 0 if rep.passed else 1
 
 
@@ -375,6 +383,7 @@ def _add_train_graph(sub):
     t.add_argument("model", help="FP32 .onnx model to train")
     t.add_argument("-o", "--output", required=True, metavar="RUN_DIR", help="run folder to write (created; a "
                    "non-empty folder is refused unless --force)")
+    _add_quiet(t)
     t.add_argument("--force", action="store_true", help="replace the run in a non-empty RUN_DIR: its train.json, "
                    "checkpoints, summary and loss curve are deleted first, so old and new never mix")
     t.add_argument("--loss", choices=["cross-entropy", "mse"], default="cross-entropy",
@@ -444,7 +453,7 @@ def _add_train(sub):
                    "when available, else the CPU, and says so. cpu: the CPU")
     t.add_argument("--skip-bad-samples", action="store_true",
                    help="drop samples holding NaN/inf (train and eval data) and say how many, instead of failing")
-    t.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    _add_quiet(t, "no progress line")
 
 
 def _add_export(sub):
@@ -455,6 +464,7 @@ def _add_export(sub):
     e.add_argument("run_dir", help="run folder made by `graphmp train-graph` (and trained)")
     e.add_argument("-o", "--output", required=True, help="output .onnx")
     e.add_argument("--mixed", action="store_true", help="convert to mixed precision (as `graphmp convert`)")
+    _add_quiet(e)
 
 
 def _run_train_graph(args) -> int:
@@ -474,6 +484,13 @@ def _run_train_graph(args) -> int:
                           total_steps=args.total_steps, grad_accum=args.grad_accum, force=args.force)
     except OSError as e:  # one the builder did not name (a full disk, a folder's permissions): still one line
         raise os_error(e, e.filename or args.output) from None
+    if not args.quiet:
+        _say_built(meta, args.output)
+    return 0
+
+
+def _say_built(meta: dict, output: str) -> None:
+    """What train-graph built: its warnings, what it did to the model, the step's interface."""
     for w in meta["warnings"]:
         print(w, file=sys.stderr)
     lifted = [w for w in meta["weights"] if w in meta["constant_weights"]]
@@ -490,11 +507,10 @@ def _run_train_graph(args) -> int:
     for r in meta["config"].get("recurrent") or []:
         print(f"{r['op']} node '{r['node']}' unrolled over sequence length {r['sequence_length']} into "
               f"{r['nodes']} nodes: the step graph accepts only that length (rebuild with --shapes for another)")
-    print(f"{args.output}: step graph for {len(meta['weights'])} trainable tensors "
+    print(f"{output}: step graph for {len(meta['weights'])} trainable tensors "
           f"({meta['config']['precision']}, {meta['config']['optimizer']}, loss scale "
           f"{meta['config']['loss_scale']}); inputs {list(meta['inputs'])} + '{meta['label']['name']}' "
           f"{meta['label']['shape']}")
-    return 0
 
 
 def _run_train(args) -> int:
@@ -521,7 +537,8 @@ def _run_export(args) -> int:
         out = export(args.run_dir, args.output, precision="mixed" if args.mixed else "fp32")
     except OSError as e:  # one the writers did not name (a full disk, a folder's permissions): still one line
         raise os_error(e, e.filename or args.output) from None
-    print(f"{out}: inference model with the trained weights ({'mixed precision' if args.mixed else 'FP32'})")
+    if not args.quiet:
+        print(f"{out}: inference model with the trained weights ({'mixed precision' if args.mixed else 'FP32'})")
     return 0
 
 
@@ -671,7 +688,7 @@ def _add_bench(sub):
     b.add_argument("--json", metavar="PATH", help="write the results as JSON (schema: graphmp.bench docstring; "
                    "'timing' says how rows were timed)")
     b.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib: pip install 'graphmp[plot]')")
-    b.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    _add_quiet(b, "no progress line")
 
 
 def _run_bench(args) -> int:

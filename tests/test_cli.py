@@ -150,3 +150,18 @@ def test_output_has_normal_file_mode(src, tmp_path, capsys):
     os.umask(umask)
     for f in (out, tmp_path / "o.onnx.data"):
         assert (os.stat(f).st_mode & 0o777) == (0o666 & ~umask), f
+
+
+def test_every_command_takes_q(tmp_path, capsys):
+    """-q is one shared flag: check, train-graph and export take it too (they refused it)."""
+    out = str(tmp_path / "m.onnx")
+    assert main(["convert", MNIST, "-o", out, "-q"]) == 0
+    assert main(["check", MNIST, out, "-q"]) == 0
+    assert capsys.readouterr().out == ""
+    assert main(["check", MNIST, out, "-q", "--max-error", "1e-9"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"{out} vs {MNIST}") and "FAIL" in captured.err
+    run = str(tmp_path / "run")
+    assert main(["train-graph", MNIST, "-o", run, "--loss", "cross-entropy", "-q"]) == 0
+    assert main(["export", run, "-o", str(tmp_path / "e.onnx"), "-q"]) == 0
+    assert capsys.readouterr().out == ""
