@@ -524,10 +524,17 @@ def _run_train(args) -> int:
     except OSError as e:  # one the driver did not name (a full disk, a folder's permissions): still one line
         raise os_error(e, e.filename or args.run_dir) from None
     print(format_summary(res.summary))
-    applied = sum(bool(a) for a in res.history["applied"])
-    # nothing trained: every step of this call skipped and the summary's note says why (exit 1,
-    # as a failed check, so a script does not take an unchanged model for a trained one)
-    return 1 if res.summary.get("skipped_note") and res.history["applied"] and not applied else 0
+    steps, applied = len(res.history["applied"]), sum(bool(a) for a in res.history["applied"])
+    # nothing trained: every step of this call skipped (exit 1, as a failed check, so a script
+    # does not take an unchanged model for a trained one); the summary's note says why when
+    # there were enough steps to tell, else this line does
+    if steps and not applied:
+        if not res.summary.get("skipped_note"):
+            print(f"graphmp: none of this call's {steps} step{'s' if steps != 1 else ''} was applied (each skipped "
+                  "for inf/NaN gradients; a dynamic loss scale backs off from its initial value over the first "
+                  "steps): train more steps", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _run_export(args) -> int:

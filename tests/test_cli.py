@@ -165,3 +165,30 @@ def test_every_command_takes_q(tmp_path, capsys):
     assert main(["train-graph", MNIST, "-o", run, "--loss", "cross-entropy", "-q"]) == 0
     assert main(["export", run, "-o", str(tmp_path / "e.onnx"), "-q"]) == 0
     assert capsys.readouterr().out == ""
+
+
+def _mnist_run(tmp_path, *build):
+    """mnist_cntk (batch axis fixed at 1) as a run, 6 training and 4 eval samples."""
+    rng = np.random.default_rng(0)
+    run, data, ev = str(tmp_path / "run"), str(tmp_path / "d.npz"), str(tmp_path / "e.npz")
+    np.savez(data, Input3=rng.standard_normal((6, 1, 28, 28)).astype(np.float32), labels=rng.integers(0, 10, 6))
+    np.savez(ev, Input3=rng.standard_normal((4, 1, 28, 28)).astype(np.float32), labels=rng.integers(0, 10, 4))
+    assert main(["train-graph", MNIST, "-o", run, "-q", *build]) == 0
+    return run, data, ev
+
+
+def test_eval_on_a_model_with_a_fixed_batch_runs_in_its_batch(tmp_path, capsys):
+    """--eval on a model whose batch is fixed at 1 evaluates one sample at a time (it failed
+    after the first epoch, blaming --calibration, which the user never passed)."""
+    run, data, ev = _mnist_run(tmp_path)
+    assert main(["train", run, "--data", data, "--eval", ev, "--batch-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "eval: loss" in out and "on 4 samples" in out, out
+
+
+def test_train_exits_1_when_no_step_was_applied(tmp_path, capsys):
+    """A call whose every step is skipped trained nothing: exit 1 and a line that says so,
+    also when there were too few steps for the summary's note (it exited 0)."""
+    run, data, _ = _mnist_run(tmp_path, "--loss-scale", "1e30")  # every FP16 gradient overflows
+    assert main(["train", run, "--data", data, "--batch-size", "1", "--max-steps", "2", "-q"]) == 1
+    assert "none of this call's 2 steps was applied" in capsys.readouterr().err

@@ -219,6 +219,7 @@ def evaluate(run_dir, data, batch_size: int = 256, providers=None, state: dict |
     meta = load_run(run_dir)
     state = state if state is not None else latest_state(run_dir)[0]
     src = make_source(data, meta, "eval data", DataCheck(label_rule(run_dir, meta), skip_bad_samples))
+    batch_size = eval_batch_size(meta, src, batch_size)
     first = _first_batch(src, batch_size)
     return Evaluator(run_dir, meta, state, providers, first).run(state, src, batch_size)
 
@@ -245,11 +246,26 @@ def _check_batch_size(run_dir, meta, src, batch_size: int) -> None:
         why = whole_arrays(meta).get(name, f"labels of shape {meta['label']['shape']}, one more axis in the data")
         raise GraphmpError(f"{src.where}: '{name}' is given once per sample, and the model takes it whole with no "
                            f"batch axis ({why}), so each step is one sample: use batch size 1.")
+    fixed = _fixed_batch(meta)
+    if fixed is not None and fixed != batch_size:
+        raise GraphmpError(f"{run_dir}: the model's batch axis is fixed at {fixed}; use batch_size {fixed} "
+                           "or re-export the model with a dynamic batch axis.")
+
+
+def _fixed_batch(meta) -> int | None:
+    """The model's batch size when its batch axis is fixed (inputs given whole aside)."""
     whole = whole_arrays(meta)
     fixed = [d[0] for k, d in meta["inputs"].items() if d and isinstance(d[0], int) and k not in whole]
-    if fixed and fixed[0] != batch_size:
-        raise GraphmpError(f"{run_dir}: the model's batch axis is fixed at {fixed[0]}; use batch_size {fixed[0]} "
-                           "or re-export the model with a dynamic batch axis.")
+    return fixed[0] if fixed else None
+
+
+def eval_batch_size(meta, src, batch_size: int) -> int:
+    """The batch eval runs with: the model's fixed batch, 1 for data given once per sample,
+    else `batch_size` (eval batches are big: no gradients to hold)."""
+    if isinstance(src, Dataset) and src.one_per_step:
+        return 1
+    fixed = _fixed_batch(meta)
+    return fixed if fixed is not None else batch_size
 
 
 def _refuse_data_in_run(run_dir: str, data, eval_data) -> None:
@@ -306,6 +322,7 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
         eval_src = make_source(eval_data, meta, "eval data", DataCheck(rule, skip_bad_samples))
         if isinstance(eval_src, Dataset) and eval_src.n == 0:
             _first_batch(eval_src)  # the error naming the file
+    eval_batch = eval_batch_size(meta, eval_src, max(batch_size, 256))
     read_checkpoint(run_dir)  # checked even with resume=False: its state file is removed at the first checkpoint
     state, ck = latest_state(run_dir) if resume else (load_npz(run_file(run_dir, meta, "initial_state")), None)
     setup = {"batch_size": batch_size, "seed": seed, "drop_last": drop_last, "samples": getattr(src, "n", None)}
@@ -367,12 +384,12 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
             if eval_src is not None:
                 st = runner.state_numpy()
                 if evaluator is None:
-                    first = _first_batch(eval_src)
+                    first = _first_batch(eval_src, eval_batch)
                     evaluator = Evaluator(run_dir, meta, st, providers, first, device)
                     if evaluator.note:
                         notes.append(evaluator.note)
                         _say(bar, evaluator.note)
-                ev_result = dict(evaluator.run(st, eval_src, max(batch_size, 256)), epoch=epoch + 1,
+                ev_result = dict(evaluator.run(st, eval_src, eval_batch), epoch=epoch + 1,
                                  step=pos["step"])
                 history["eval"].append(ev_result)
                 run_eval.append(ev_result)
