@@ -121,7 +121,8 @@ def _add_convert(sub):
     c.add_argument("--strict", action="store_true", help="exit 1 when --max-error cannot be met (default: "
                    "write the best model found and warn)")
     c.add_argument("--external-data", dest="external_data", action="store_true", default=None,
-                   help="write weights to OUTPUT.data (default: when the input had external data or >1.8 GB)")
+                   help="write weights to OUTPUT.data (OUTPUT.1.data while an existing OUTPUT.data is still in use: "
+                   "the pair is replaced atomically; default: when the input had external data or >1.8 GB)")
     c.add_argument("--no-external-data", dest="external_data", action="store_false")
     c.add_argument("--report", metavar="JSON", help="write the full report (every FP32 node and why) as JSON")
     c.add_argument("--validate", action="store_true", help="afterwards check the output (graphmp check): valid, "
@@ -258,7 +259,8 @@ def _add_pad(sub):
     c.add_argument("--max-overhead", type=float, default=0.5, metavar="FRACTION",
                    help="leave a layer unpadded when padding would grow it by more than this (default 0.5)")
     c.add_argument("--external-data", dest="external_data", action="store_true", default=None,
-                   help="write weights to OUTPUT.data (default: when the input had external data)")
+                   help="write weights to OUTPUT.data (OUTPUT.1.data while an existing OUTPUT.data is still in use: "
+                   "the pair is replaced atomically; default: when the input had external data)")
     c.add_argument("--no-external-data", dest="external_data", action="store_false")
     c.add_argument("--report", metavar="JSON", help="write the report (every padded and unaligned layer) as JSON")
     c.add_argument("--validate", action="store_true", help="run ONNX Runtime on both models with the same "
