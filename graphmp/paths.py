@@ -61,6 +61,15 @@ def _non_negative(t: TensorProto, key: str, value: str) -> int:
     return int(v)
 
 
+def resolve_inside(folder: str, name: str) -> tuple[str, bool]:
+    """(real path of `name` under `folder`, whether it lies strictly inside the folder's real
+    path once every symlink is resolved): the one containment test for a model's external
+    data and a run folder's files."""
+    base_real = os.path.realpath(folder)
+    real = os.path.realpath(os.path.join(base_real, name))
+    return real, os.path.commonpath([base_real, real]) == base_real and real != base_real
+
+
 def _inside(base_real: str, loc: str, t: TensorProto) -> str:
     """The real path of `loc` under the folder `base_real`, or an error when it leaves it."""
     why = None
@@ -73,8 +82,8 @@ def _inside(base_real: str, loc: str, t: TensorProto) -> str:
     elif ".." in loc.replace("\\", "/").split("/"):
         why = "climbs out with '..'"
     if why is None:
-        real = os.path.realpath(os.path.join(base_real, loc))
-        if os.path.commonpath([base_real, real]) == base_real and real != base_real:
+        real, inside = resolve_inside(base_real, loc)
+        if inside:
             return real
         why = (f"resolves to {real}, outside the model's folder (a symlink leaves it; for a download cache "
                "that links files elsewhere, copy the model's folder with `cp -rL` first)")

@@ -45,6 +45,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _writer_pid(name: str, head: str) -> int | None:
+    """The pid in a temporary file's name `<head><pid>-...` (see _tmp_prefix), or None."""
+    pid = name[len(head):].split("-", 1)[0] if name.startswith(head) else ""
+    return int(pid) if pid.isdigit() else None
+
+
 def remove_stale_temp_files(out_path: str) -> list[str]:
     """Remove temporary files that a killed graphmp left while writing `out_path` (those
     of a process that is still running are left alone). Returns the removed names."""
@@ -56,10 +62,8 @@ def remove_stale_temp_files(out_path: str) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        if not (name.startswith(head) and name.endswith(".tmp")):
-            continue
-        pid = name[len(head):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)) \
+        pid = _writer_pid(name, head)
+        if name.endswith(".tmp") and pid not in (None, os.getpid()) and not _pid_alive(pid) \
                 and not is_input(os.path.join(d, name)):  # a model's data file may be named so
             try:
                 os.unlink(os.path.join(d, name))
@@ -158,13 +162,13 @@ def _remove_orphans(out_path: str, keep) -> None:
     its .onnx. Skipped while another live process writes OUT (its temp files exist)."""
     d = os.path.dirname(out_path)
     head = f".graphmp-{os.path.basename(out_path)}-"
-    for name in os.listdir(d):
-        pid = name[len(head):].split("-", 1)[0] if name.startswith(head) else ""
-        if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
-            return
+    names = os.listdir(d)
+    writers = {_writer_pid(n, head) for n in names} - {None, os.getpid()}
+    if any(_pid_alive(pid) for pid in writers):
+        return
     first, owned = _owned_data_names(out_path)
-    live = set(_old_data(out_path, ())) if os.path.lexists(out_path) else set()
-    for name in os.listdir(d):
+    live = set(_old_data(out_path, ()))
+    for name in names:
         f = os.path.realpath(os.path.join(d, name))
         if name != first and owned.fullmatch(name) and f not in live and f not in keep and os.path.isfile(f) \
                 and not is_input(f):

@@ -68,6 +68,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxruntime as ort
 from graphmp.cli import main
+from graphmp.ir import iter_graphs
 from graphmp.paths import iter_tensors
 
 # Scale of the suite: examples of the main test (convert --no-calibration); the other
@@ -323,18 +324,7 @@ class Example:
 
     # targets (all graphs, subgraphs included)
     def graphs(self):
-        out = []
-
-        def walk(g):
-            out.append(g)
-            for n in g.node:
-                for a in n.attribute:
-                    if a.type == onnx.AttributeProto.GRAPH:
-                        walk(a.g)
-                    for sg in a.graphs:
-                        walk(sg)
-        walk(self.model.graph)
-        return out
+        return list(iter_graphs(self.model.graph))
 
     def nodes(self):
         return [(g, n) for g in self.graphs() for n in g.node]

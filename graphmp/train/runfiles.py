@@ -36,7 +36,8 @@ import stat
 import numpy as np
 
 from ..errors import GraphmpError, first_line
-from ..io import model_files
+from ..io import model_inputs
+from ..paths import resolve_inside
 from ..save import save_npz, write_json
 from .builder import save_checked
 
@@ -76,8 +77,8 @@ def bad_name(value, pattern: str) -> str | None:
 
 def _outside(run_dir: str, name: str) -> str | None:
     """Why the bare name `name` in run_dir is not a regular file inside the folder (None when it is)."""
-    real_dir, real = os.path.realpath(run_dir), os.path.realpath(os.path.join(run_dir, name))
-    if os.path.commonpath([real_dir, real]) != real_dir or real == real_dir:
+    real, inside = resolve_inside(run_dir, name)
+    if not inside:
         return f"is a symlink to {real}, outside the run folder"
     try:
         mode = os.stat(real).st_mode
@@ -264,13 +265,11 @@ def refuse_run_files(run_dir, given, fix: str) -> None:
 def export_inputs(run_dir, meta: dict) -> list[tuple[str, str]]:
     """(label, path) of what export must never overwrite: the run's files (run_paths) and
     the source model that train.json names with its external data files (read, by
-    graphmp.io.model_files, only when it is a regular file)."""
+    graphmp.io.model_inputs, only when it is a regular file)."""
     out = [(f"the run's {n}", p) for n, p in run_paths(run_dir)]
     src = meta.get("source")
     if isinstance(src, str) and "\0" not in src and os.path.isfile(src):
-        from ..io import model_files
-        out += [("the run's source model" if i == 0 else "a data file of the run's source model", f)
-                for i, f in enumerate(model_files(src))]
+        out += model_inputs("the run's source model", src)
     return out
 
 
@@ -284,8 +283,7 @@ def check_run_dir(out_dir: str, force: bool, model_path: str, calibration=None) 
         raise GraphmpError(f"{out_dir}: the run folder is not empty; choose another folder, or pass --force "
                            "(force=True) to replace its run (its checkpoints are deleted).")
     if os.path.isdir(out_dir):
-        given = [("the model" if i == 0 else "a data file of the model", f)
-                 for i, f in enumerate(model_files(model_path) if os.path.isfile(model_path) else [])]
+        given = model_inputs("the model", model_path) if os.path.isfile(model_path) else []
         cal = calibration if isinstance(calibration, (list, tuple)) else []
         given += [("--calibration", os.fspath(c)) for c in cal if isinstance(c, (str, os.PathLike))]
         refuse_run_files(out_dir, given, "Move it out of the run folder, or choose another run folder with -o.")
