@@ -31,6 +31,15 @@ interface (runners.py), judges their accuracy (judge.py) and writes the report (
   backend/batch/variant, else TF32 emulated on ORT CPU; the floor: the FP32 source on ORT
   CPU with only its inputs rounded to FP16), as graphmp check judges. On the CPU the FP16-faithful oracle also checks the mixed models.
 - memory: GPU rows: device memory in use after warm-up minus before the session/engine.
+- any source (source.py): the source's precision is detected (fp32, fp16, bf16, mixed,
+  int8 qdq / dynamic / qoperator, no float) and rows that are not what their precision
+  name says are labelled for what they run (`label`, `model`). An FP16/BF16/mixed source:
+  the fp32/tf32 rows run it with every node raised to FP32 by graphmp, and that model is
+  the accuracy reference; an INT8 source: the fp32/tf32 rows run it as it is (behind the
+  cleanups) and the reference is the source itself (no FP32 model exists). Where graphmp
+  converts nothing, the fp16 rows run the source as it is ("source (fp16)", model
+  "converted: nothing to convert, same as source"). An ORT CPU row of the reference model
+  itself is not judged (accuracy null, `accuracy_note` says why), nor is the oracle run.
 
 JSON schema (schema_version 2; `BenchResult.to_dict()`, `graphmp bench --json`):
     schema_version: 2
@@ -42,14 +51,16 @@ JSON schema (schema_version 2; `BenchResult.to_dict()`, `graphmp bench --json`):
                warmup, iterations, min_time_s, rounds, cudnn_conv_algo_search, timing_cache,
                workspace_mb, max_error, tf32_factor, atol, rtol, rule, oracle_max_mb, model_type,
                timing, timing_text}
-    model: {path, fp32_baseline: {path, how, prepare, nodes_low, casts_added}|null, converted_path,
-            conversion, compared: {occ|ort-opt: {path, ...}|{error}}, kept_in, fp32_available,
-            weight_bytes, inputs: [{name, dtype, shape}], fixed_batch}
+    model: {path, source_precision: {precision, float_nodes, quantization, quant_ops},
+            fp32_baseline: {path, how, prepare, nodes_low, casts_added}|null, converted_path (null when the
+            fp16 rows run the source), conversion (+ nothing_converted: why, where graphmp converted
+            nothing), compared: {occ|ort-opt: {path, ...}|{error}}, kept_in, fp32_available, weight_bytes,
+            inputs: [{name, dtype, shape}], fixed_batch}
     backends: {name: {status: "ok"|"skipped"|"fell-back", reason}}
     rows: [{backend, precision, variant, label, model, batch, provider, tf32, status: "ok"|"failed",
             error, settings: {provider, ..., timing}, latency_ms: {median, p90, p99, mean, min, max}|null,
             iterations, throughput_per_s, speedup_vs_fp32, speedup_vs_tf32, peak_device_memory_bytes,
-            memory_note, engine_bytes, build_s, output_shapes,
+            memory_note, engine_bytes, build_s, output_shapes, accuracy_note (only where not judged),
             accuracy: {reference, passed, error, max_abs, cosine, snr_db, argmax_agree, nonfinite,
                        tf32_error, vs_tf32, yardstick, outputs: {name: {error, max_abs, cosine, snr_db,
                        argmax_agree, nonfinite, tf32_error, allowed, vs_tf32, passed}}}|null}]
@@ -64,6 +75,7 @@ from .judge import judge_outputs, output_metrics, rule_text
 from .models import convert_occ, convert_ort_opt, fp32_baseline, guess_model_type
 from .plan import BACKENDS, LABELS, PRECISIONS, VARIANTS, RowSpec, plan_rows, static_shapes
 from .report import BenchResult
+from .source import source_precision
 from .run import SCHEMA_VERSION, Settings, bench
 from .runners import (TIMING, FellBack, OrtRunner, TrtRunner, device_memory_used, latency_stats,
                       ort_cuda_status, timed_loop, trt_status)
@@ -75,4 +87,4 @@ __all__ = ["bench", "BenchResult", "Settings", "SCHEMA_VERSION", "BACKENDS", "PR
            "RowSpec", "plan_rows", "static_shapes", "judge_outputs", "output_metrics", "rule_text", "OrtRunner",
            "TrtRunner", "FellBack", "TIMING", "timed_loop", "latency_stats", "device_memory_used", "environment",
            "gpu_names", "convert_occ", "convert_ort_opt", "fp32_baseline", "guess_model_type", "ort_cuda_status",
-           "trt_status"]
+           "trt_status", "source_precision"]

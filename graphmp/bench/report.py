@@ -92,6 +92,18 @@ class BenchResult:
         env = d["environment"]
         lines = [f"graphmp bench: {d['model']['path']} on {env['device']}",
                  _md(HEAD, [_row_cells(r) for r in d["rows"]])]
+        src = d["model"].get("source_precision") or {}
+        if src.get("precision") not in (None, "fp32"):
+            lines.append(f"  source precision: {src['precision']}")
+        named = {}  # rows whose label is not their precision's usual one: what they really run
+        for r in d["rows"]:
+            if r.get("label") != LABELS.get(r["precision"]):
+                named.setdefault(r["precision"], f"{r['label']} ({r['model']})")
+        lines += [f"  {p} rows: {what}" for p, what in named.items()]
+        for r in d["rows"]:
+            if r.get("accuracy_note"):
+                lines.append(f"  {r['backend']} {r['precision']} accuracy {r['accuracy_note']}")
+                break
         said = {}  # one line per distinct error (a fallback fails every row of its backend alike)
         for r in d["rows"]:
             if r["status"] != "ok":
@@ -164,7 +176,8 @@ class BenchResult:
                         ys.append(r["throughput_per_s"])
                         s = r["speedup_vs_fp32"]
                         labels.append(f"{s:.2f}x" if s else f"{r['latency_ms']['median']:.2f}ms")
-                bars = ax.bar(xs, ys, width, label=LABELS[p])
+                label = next((r["label"] for r in rows if r["precision"] == p), LABELS[p])
+                bars = ax.bar(xs, ys, width, label=label)
                 ax.bar_label(bars, labels, fontsize=7)
             ax.set_xticks(range(len(batches)), [f"batch {bt}" for bt in batches])
             ax.set_ylabel("items / s (batch / median latency)")

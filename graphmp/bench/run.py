@@ -34,11 +34,13 @@ from . import judge as J
 from .env import environment, gpu_names
 from .models import ORT_OPT_TYPES, convert_occ, convert_ort_opt, fp32_baseline
 from .plan import BACKENDS, COMPARE, LABELS, PRECISIONS, SOURCES, groups, plan_rows, static_shapes
+from .source import is_fp32, source_precision
 from .report import BenchResult, clean
 from .runners import (TIMING, TIMING_TEXT, FellBack, OrtRunner, TrtRunner, device_memory_used, latency_stats,
                       ort_cuda_options, ort_cuda_status, time_interleaved, timed_loop, trt_status)
 
 SCHEMA_VERSION = 2
+NOTHING = "nothing to convert"  # graphmp.convert's error for a model with no FP32 work
 CUDNN_SEARCH = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
 @dataclass
 class Settings:
@@ -139,6 +141,7 @@ def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=
     if converted is not None:
         load_model(os.fspath(converted))
     inputs = refuse_overwrites(s, path, graph, converted, keep, outputs)
+    _refuse_bf16_inputs(path, graph)
     base_feeds = None
     if s.data is not None:
         ((_, base_feeds),) = user_batches(os.fspath(s.data), input_specs(graph), "--data")
@@ -153,6 +156,16 @@ def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=
         return BenchResult(clean(run.result(command)))
 
 
+def _refuse_bf16_inputs(path, graph):
+    """Before any work: ONNX Runtime's Python API takes no BF16 arrays, so a model with a
+    BF16 input cannot be fed (the error would otherwise blame the input shapes)."""
+    bf16 = [sp.name for sp in input_specs(graph) if sp.elem == onnx.TensorProto.BFLOAT16]
+    if bf16:
+        raise GraphmpError(f"{path}: input {', '.join(repr(n) for n in bf16)} is BF16, and ONNX Runtime's Python API "
+                           "takes no BF16 arrays, so bench cannot feed the model; give it FP32 inputs that it casts "
+                           "to BF16 (graphmp convert --target bf16 keeps FP32 inputs and outputs)")
+
+
 class _Run:
     """The state of one run, filled step by step by bench()."""
 
@@ -161,6 +174,7 @@ class _Run:
         self.notes, self.models, self.model_errors, self.model_info = [], {}, {}, {}
         self.rows, self.outputs, self.refs, self.emulated, self.floors = [], {}, {}, {}, {}
         self.conversion = None
+        self.labels, self.reference_text = {}, J.REFERENCE  # precision -> (label, model) where not LABELS/SOURCES
 
     def log(self, msg):
         if self.progress:
@@ -170,29 +184,21 @@ class _Run:
     def prepare_models(self, converted):
         path, s = self.path, self.s
         out = lambda p: kept_model(self.work, path, p)  # noqa: E731
+        self.src_info = source_precision(self.graph)
         self.already = "graphmp" in {p.key for p in self.graph.metadata_props}
         self.source = None if self.already else path
         if self.already:
             self.models["fp16"] = path
+            self.labels["fp16"] = (f"graphmp-converted source ({self.src_info['precision']})", "the source as it is")
             self.notes.append(f"{path} is already converted by graphmp: no FP32 source, so only the fp16 rows run "
                               "and accuracy and speedups are not available. Bench the FP32 model (with --converted) "
                               "for those.")
             return
-        self.log(f"FP32 baseline of {path}: graphmp's graph cleanups, no precision change")
-        info = fp32_baseline(path, out("fp32"))
-        self.models["fp32"] = self.models["tf32"] = info["path"]
-        self.model_info["fp32"] = info
+        self._baseline(out("fp32"))
         if converted is not None:
             self.models["fp16"] = os.fspath(converted)
         else:
-            self.log(f"converting {path} with graphmp.convert")
-            d = convert(path, out("fp16"), calibration=[s.data] if s.data is not None else None).to_dict()
-            self.conversion = {k: d.get(k) for k in ("seconds", "nodes", "casts_added", "weight_bytes_before",
-                                                     "weight_bytes_after", "warnings")}
-            self.models["fp16"] = out("fp16")
-            if not (d.get("nodes") or {}).get("low"):
-                self.notes.append("fp16 rows: graphmp converted no node to FP16 (see the conversion's warnings), so "
-                                  "they run the FP32 model behind graphmp's cleanups, not FP16 compute")
+            self._convert(out("fp16"))
         makers = {"occ": lambda: {"path": convert_occ(path, out("occ"))},
                   "ort-opt": lambda: convert_ort_opt(path, out("ort-opt"), s.model_type)}
         for p in (p for p in COMPARE if p in s.precisions):
@@ -202,6 +208,79 @@ class _Run:
                 self.models[p] = self.model_info[p]["path"]
             except Exception as e:  # noqa: BLE001 - a converter missing or failing: its rows say so
                 self.model_errors[p] = f"{SOURCES[p]}: {type(e).__name__}: {str(e)[:300]}"
+
+    def _baseline(self, dst):
+        """The fp32/tf32 rows' model and the accuracy reference. An FP32 source: its FP32
+        baseline, judged against the source. An FP16/BF16/mixed source: the baseline computes
+        every node in FP32 (graphmp raises them), so it is the reference the source's own low
+        precision is judged by. An INT8 source: the baseline, judged against the source as it
+        is (there is no FP32 model). A source the pipeline has nothing to do with runs as it is."""
+        path, prec = self.path, self.src_info["precision"]
+        self.log(f"FP32 baseline of {path}: graphmp's graph cleanups, no precision change")
+        try:
+            info = fp32_baseline(path, dst)
+        except GraphmpError as e:
+            if NOTHING not in str(e):
+                raise
+            info = {"path": path, "how": f"the source as it is (graphmp: {first_line(e)})"}
+        except Exception as e:  # noqa: BLE001 - a pipeline failure on an unusual source: one line, not a traceback
+            raise GraphmpError(f"{path}: graphmp's FP32 baseline of this {prec} source failed "
+                               f"({type(e).__name__}: {first_line(e)})") from None
+        self.models["fp32"] = self.models["tf32"] = info["path"]
+        self.model_info["fp32"] = info
+        if is_fp32(self.src_info):
+            return
+        low = any(self.src_info["float_nodes"].get(t) for t in ("fp16", "bf16"))
+        if low and info["path"] != path:
+            self.source = info["path"]
+            ref = f"the {prec} source with every node computed in FP32 (graphmp's FP32 baseline)"
+            model = "the source, every node raised to FP32 by graphmp"
+            labels = (f"FP32 strict: the {prec} source computed in FP32", f"TF32: the {prec} source computed in FP32")
+        else:
+            ref = (f"the {prec} source" if prec != "no float" else "the source") + \
+                " as it is (there is no FP32 model: errors are what graphmp adds to it)"
+            model = "the source as it is" if info["path"] == path else "the source through graphmp's cleanups " \
+                "(no precision change)"
+            labels = ((f"source ({prec})",) * 2 if prec == "no float" else
+                      (f"source ({prec}), float ops FP32 strict", f"source ({prec}), float ops TF32"))
+        self.labels["fp32"], self.labels["tf32"] = (labels[0], model), (labels[1], model)
+        self.reference_text = f"ONNX Runtime CPU, {ref}, same inputs"
+        quant = f", quantization ops {self.src_info['quant_ops']}" if self.src_info["quant_ops"] else ""
+        is_what = "computes no float" if prec == "no float" else f"is {prec}"
+        self.notes.append(f"the source {is_what} (float nodes {self.src_info['float_nodes'] or 'none'}{quant}): "
+                          f"accuracy is against {ref}")
+
+    def _convert(self, dst):
+        """The fp16 rows' model: graphmp.convert of the source; where it converts nothing
+        (no FP32 compute, or every float node must stay FP32) the fp16 rows run the source as it is."""
+        path, s, prec = self.path, self.s, self.src_info["precision"]
+        self.log(f"converting {path} with graphmp.convert")
+        try:
+            d = convert(path, dst, calibration=[s.data] if s.data is not None else None).to_dict()
+        except GraphmpError as e:
+            if NOTHING not in str(e):
+                raise
+            why = first_line(e, 400)
+            self.conversion = dict.fromkeys(("seconds", "casts_added", "weight_bytes_before", "weight_bytes_after"))
+            self.conversion.update(nodes={"low": 0}, warnings=[why], nothing_converted=why)
+        except Exception as e:  # noqa: BLE001 - a conversion failing on an unusual source: its rows say so
+            self.model_errors["fp16"] = f"graphmp.convert: {type(e).__name__}: {first_line(e, 300)}"
+            return
+        else:
+            self.conversion = {k: d.get(k) for k in ("seconds", "nodes", "casts_added", "weight_bytes_before",
+                                                     "weight_bytes_after", "warnings")}
+            if (d.get("nodes") or {}).get("low"):
+                self.models["fp16"] = dst
+                if not is_fp32(self.src_info):
+                    self.labels["fp16"] = (f"mixed FP16 (graphmp) of the {prec} source", SOURCES["fp16"])
+                return
+            self.conversion["nothing_converted"] = next(
+                (w for w in d.get("warnings") or [] if w.startswith("nothing was converted")),
+                "graphmp converted no node to FP16")
+        self.models["fp16"] = path
+        self.labels["fp16"] = (f"source ({prec})", "converted: nothing to convert, same as source")
+        self.notes.append(f"fp16 rows: graphmp converted no node to FP16 ({self.conversion['nothing_converted']}), "
+                          f"so they run the source as it is ({prec}), not graphmp's FP16 compute")
 
     # --- inputs and references
     def prepare_inputs(self, base_feeds):
@@ -291,7 +370,7 @@ class _Run:
                 live = []
                 try:
                     for spec in specs:
-                        row = _new_row(spec)
+                        row = _new_row(spec, self.labels)
                         self.rows.append(row)
                         bar.update(0, row=f"{backend} {spec.precision} {spec.variant} batch {batch}")
                         runner = self._open(row, spec)
@@ -397,6 +476,10 @@ class _Run:
             outs = self.outputs.pop(id(row), None)
             if outs is None:
                 continue
+            if row["backend"] == "ort-cpu" and self.models.get(row["precision"]) == self.source:
+                row["accuracy_note"] = ("not judged: this row runs the reference model itself on the reference's "
+                                        "backend (ONNX Runtime CPU)")
+                continue
             key = (row["backend"], row["batch"], row["variant"])
             try:
                 if row["batch"] in failed:
@@ -421,7 +504,7 @@ class _Run:
                 seen.add((row["batch"], src))
                 self.yardsticks.append({"batch": row["batch"], "source": src, "errors": yard, "input_floor": floor})
             row["accuracy"] = J.judge_outputs(ref, outs, yard, s.max_error, s.tf32_factor, s.atol, s.rtol, floor)
-            row["accuracy"]["yardstick"] = src
+            row["accuracy"].update(yardstick=src, reference=self.reference_text)
 
     # --- oracle, notes, result
     def oracle(self) -> list:
@@ -436,6 +519,8 @@ class _Run:
             mixed = self.models.get(p)
             if self.source is None:
                 entry.update(status="skipped", reason="no FP32 source to compare with")
+            elif mixed is not None and mixed == self.source:
+                entry.update(status="skipped", reason="nothing was converted: the rows run the reference model itself")
             elif mixed is None:
                 entry.update(status="skipped", reason=self.model_errors.get(p) or "no converted model")
             elif s.oracle_max_mb <= 0:
@@ -476,7 +561,9 @@ class _Run:
             "schema_version": SCHEMA_VERSION, "environment": environment(command), "settings": settings,
             "timing": TIMING,
             "model": {"path": self.path, "fp32_baseline": _kept(self.model_info.get("fp32"), self.kept),
-                      "converted_path": self.models.get("fp16") if self.kept or self.conversion is None else None,
+                      "source_precision": self.src_info,
+                      "converted_path": (None if self.models.get("fp16") == self.path and not self.already else
+                                         self.models.get("fp16") if self.kept or self.conversion is None else None),
                       "conversion": self.conversion,
                       "compared": {p: self.model_info.get(p) or {"error": self.model_errors.get(p)}
                                    for p in COMPARE if p in s.precisions},
@@ -486,7 +573,7 @@ class _Run:
                                  for sp in self.specs],
                       "fixed_batch": None if self.positions else s.batches[0]},
             "backends": self.status, "rows": self.rows, "fastest": self.fastest,
-            "accuracy": {"reference": J.REFERENCE, "rule": settings["rule"], "max_error": s.max_error,
+            "accuracy": {"reference": self.reference_text, "rule": settings["rule"], "max_error": s.max_error,
                          "tf32_factor": s.tf32_factor, "yardsticks": getattr(self, "yardsticks", [])},
             "oracle": self.oracle(), "notes": notes,
         }
@@ -525,9 +612,12 @@ def _kept(info, kept):
     return info if info is None or kept else dict(info, path=None)
 
 
-def _new_row(spec) -> dict:
+def _new_row(spec, labels=None) -> dict:
+    """A planned row, not yet run; `labels`: {precision: (label, model)} where the source
+    is not an FP32 model (graphmp/bench/source.py) and the defaults would misname the row."""
     b, p = spec.backend, spec.precision
-    return {"backend": b, "precision": p, "variant": spec.variant, "label": LABELS[p], "model": SOURCES[p],
+    label, model = (labels or {}).get(p, (LABELS[p], SOURCES[p]))
+    return {"backend": b, "precision": p, "variant": spec.variant, "label": label, "model": model,
             "batch": spec.batch, "provider": None, "tf32": None if b == "ort-cpu" else p != "fp32",
             "status": "ok", "error": None, "settings": {}, "latency_ms": None, "iterations": 0,
             "throughput_per_s": None, "speedup_vs_fp32": None, "speedup_vs_tf32": None,
