@@ -148,6 +148,8 @@ class CheckReport:
         for w in d["warnings"] + ([v["note"]] if v.get("note") else []):
             lines.append(f"  warning: {w}")
         lines += [f"  hint: {h}" for h in _hints(d, floor)]
+        if d.get("blame"):
+            lines.append(f"  where: {d['blame']['hint']}")
         return "\n".join(lines)
 
 
@@ -347,7 +349,27 @@ def check(ref, converted, data=None, *, shapes=None, max_error=DEFAULT, metric: 
                      "nonfinite": sum(r["nonfinite"] for r in rows),
                      "argmax_agree": float(np.mean(agrees)) if agrees else None,
                      "passed": all(r["passed"] for r in rows)}
+    passed = all(o["passed"] for o in merged.values())
     return CheckReport(dict(names, oracle=judged_by, batches=len(batches), inputs=described, outputs=merged,
-                            budget=budget.to_dict(),
-                            passed=all(o["passed"] for o in merged.values()), warnings=list(dict.fromkeys(warnings)),
-                            validity=valid))
+                            budget=budget.to_dict(), passed=passed, warnings=list(dict.fromkeys(warnings)),
+                            validity=valid, blame=None if passed else _blame(ref, converted, batches[0], data)))
+
+
+def _blame(ref, converted, feeds, data) -> dict | None:
+    """Where the error of a FAIL grows (graphmp.attribute), and the commands that fix it;
+    None when the attribution cannot run (it is a hint, never a second failure)."""
+    from .attribute import blame, fix_hint
+
+    def proto(m):
+        if isinstance(m, onnx.ModelProto):
+            return m, None
+        return load_model(os.fspath(m)), os.path.dirname(os.path.abspath(os.fspath(m)))
+    try:
+        (src, src_dir), (conv, conv_dir) = proto(ref), proto(converted)
+        rows = blame(src, conv, feeds, src_dir=src_dir, conv_dir=conv_dir)
+    except Exception:  # noqa: BLE001 - best effort: the verdict stands without it
+        return None
+    if not rows:
+        return None
+    name = (lambda m, d: d if isinstance(m, onnx.ModelProto) else os.fspath(m))
+    return {"nodes": rows, "hint": fix_hint(rows, name(ref, "SOURCE.onnx"), name(converted, "OUT.onnx"), data)}

@@ -54,6 +54,8 @@ examples:
   graphmp convert det.onnx -o det.mp.onnx --calibration page1.npz page2.npz --max-error 1e-2
   graphmp convert det.onnx -o det.mp.onnx --calibration pages.npz --max-error tf32 --report r.json
   graphmp convert cls.onnx -o cls.mp.onnx --calibration imgs.npz --metric argmax --max-error 0.001
+  graphmp convert det.onnx -o det.mp.onnx --calibration pages.npz --max-error 1e-2 --save-plan det.plan.json
+  graphmp convert det_v2.onnx -o det_v2.mp.onnx --calibration pages.npz --plan det.plan.json   # no search
 
 accuracy budget (--max-error):
   The search measures the error FP16-faithfully (FP16 storage, FP32 math, as Tensor Cores
@@ -61,6 +63,15 @@ accuracy budget (--max-error):
   the cheapest set FP32 that brings every output within the budget. With two batches or
   more the last one is held back to check the plan. The report lists every node the
   search kept FP32, the error it removed and its share of the compute.
+
+plans you keep (--save-plan, --plan):
+  --save-plan writes the precision chosen for every float node (FP16/BF16 or FP32, and
+  why), the budget and the errors measured. --plan applies it to the same network again
+  (new weights, a re-export that renamed nodes) in about the time of a plain conversion:
+  nodes are matched by name, then by op type and position in the graph; the static rules
+  that make FP16 impossible still win; the output is checked FP16-faithfully on the
+  calibration batches against the plan's budget (--max-error, if given, replaces it).
+  The report names every node the plan missed and every entry that matched nothing.
 """
 
 
@@ -118,13 +129,23 @@ def _add_convert(sub):
     c.add_argument("--metric", choices=["max-rel", "max-abs", "argmax"], default="max-rel",
                    help="error for --max-error: max-rel = max|a-b|/max|ref| per output (default), max-abs, or "
                    "argmax = fraction of class predictions that change (class-score outputs)")
-    c.add_argument("--strict", action="store_true", help="exit 1 when --max-error cannot be met (default: "
-                   "write the best model found and warn)")
+    c.add_argument("--strict", action="store_true", help="exit 1 when --max-error (or the budget of --plan) cannot "
+                   "be met (default: write the best model found and warn)")
+    c.add_argument("--search-time", type=float, metavar="S", help="--max-error: stop the search after about S "
+                   "seconds and write the best plan found so far (said in the summary and the report; the written "
+                   "model is then measured again). Default: no limit; the search prints its progress")
     c.add_argument("--external-data", dest="external_data", action="store_true", default=None,
                    help="write weights to OUTPUT.data (OUTPUT.1.data while an existing OUTPUT.data is still in use: "
                    "the pair is replaced atomically; default: when the input had external data or >1.8 GB)")
     c.add_argument("--no-external-data", dest="external_data", action="store_false")
     c.add_argument("--report", metavar="JSON", help="write the full report (every FP32 node and why) as JSON")
+    c.add_argument("--save-plan", metavar="JSON", help="also write the plan: every float node's precision and "
+                   "why, with the budget and errors measured, keyed so that --plan finds the nodes again in a "
+                   "re-export of the same network")
+    c.add_argument("--plan", metavar="JSON", help="apply a plan saved by --save-plan instead of searching: its "
+                   "precisions replace the static rules' and the search's, except where FP16 is impossible (no FP16 "
+                   "form, integer-derived values, weights beyond FP16, --fp32-nodes); the output is then verified "
+                   "against the plan's budget (or --max-error's) on the calibration batches")
     c.add_argument("--validate", action="store_true", help="afterwards check the output (graphmp check): valid, "
                    "and every output within --max-error (default: the yardstick of graphmp check, max(1e-2, 2 x the "
                    "TF32 error, 2 x the FP16-input floor)) FP16-faithfully; exit 1 if not")
@@ -164,10 +185,11 @@ def _add_check(sub):
     k.add_argument("--atol", type=float, help="also require |a-b| <= atol + rtol*|ref| at every element")
     k.add_argument("--rtol", type=float, help="see --atol")
     k.add_argument("--oracle", choices=["emulation", "reference"], default="emulation",
-                   help="who computes the converted model FP16-faithfully: emulation = FP16 storage with FP32 math "
-                   "on ONNX Runtime (as Tensor Cores; fast; the measure of --max-error; default), reference = "
-                   "onnx.reference, each op in FP16 numpy (function-bodied ops such as HardSwish round at every "
-                   "step; slow on big inputs)")
+                   help="who computes the converted model FP16-faithfully (FP16 storage, each op's result rounded "
+                   "once to FP16, as an ideal kernel stores it): emulation = FP32 math on ONNX Runtime (as Tensor "
+                   "Cores; fast; the measure of --max-error; default), reference = float64 math in onnx.reference "
+                   "(the ideal kernel exactly; slow on big inputs; where it cannot run the model, the emulation "
+                   "judges and the report says so)")
     k.add_argument("--json", metavar="PATH", help="write the result as JSON")
     _add_quiet(k, "print nothing but errors; a FAIL prints its verdict line (the exit code says it too)")
 
@@ -178,16 +200,18 @@ def _run_convert(args) -> int:
     if args.no_calibration and args.calibration:
         raise GraphmpError("--calibration and --no-calibration contradict each other; give one")
     _writable(args.report, "--report")
-    refuse_clobber([("the output (-o)", out), ("--report", args.report)], [("the model", args.model)],
-                   [("a --calibration file", args.calibration)])
+    _writable(args.save_plan, "--save-plan")
+    refuse_clobber([("the output (-o)", out), ("--report", args.report), ("--save-plan", args.save_plan)],
+                   [("the model", args.model)], [("a --calibration file", args.calibration),
+                                                 ("the --plan file", args.plan)])
     cal = "off" if args.no_calibration else args.calibration
     rep = convert(args.model, out, target=args.target, keep_io_types=args.keep_io_types,
                   fp32_ops=args.fp32_ops, fp32_nodes=args.fp32_nodes, fp16_nodes=args.fp16_nodes,
                   calibration=cal, shapes=args.shapes, range_threshold=args.range_threshold,
-                  max_error=args.max_error, metric=args.metric, strict=args.strict,
+                  max_error=args.max_error, metric=args.metric, strict=args.strict, search_time=args.search_time,
                   external_data=args.external_data, validate=args.validate, atol=args.atol,
                   rtol=args.rtol, verbose=not args.quiet, pad_channels=args.pad_channels,
-                  fuse=args.fuse, model_type=args.model_type)
+                  fuse=args.fuse, model_type=args.model_type, plan=args.plan, save_plan=args.save_plan)
     if args.report:
         write_json(args.report, rep.to_dict())
     if not args.quiet:
@@ -196,6 +220,10 @@ def _run_convert(args) -> int:
     if args.strict and d.get("search", {}).get("reached") is False:
         print(f"graphmp: --max-error {args.max_error} not met (best: {d['search']['error']:.3g} x the budget); "
               f"{out} holds the best plan found", file=sys.stderr)
+        return 1
+    if args.strict and d.get("plan", {}).get("met") is False:
+        print(f"graphmp: the budget of --plan {args.plan} is not met (error {d['plan']['verified']['normalized']:.3g} "
+              f"x the budget); {out} holds the plan's model", file=sys.stderr)
         return 1
     if args.validate and "validation" not in d:
         print(f"graphmp: --validate skipped: {d.get('validation_skipped', 'nothing was converted')}", file=sys.stderr)

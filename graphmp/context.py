@@ -29,6 +29,9 @@ class Options:
     max_error: object = None            # --max-error: a number, "tf32" or "floor[:K]"
     metric: str = "max-rel"             # --metric: max-rel, max-abs or argmax
     strict: bool = False                # --strict: a budget not met is a failure
+    plan: object = None                 # --plan: a saved plan (path; loaded and checked here), no search
+    save_plan: str | None = None        # --save-plan: write the precisions decided as a plan file
+    search_time: float | None = None    # --search-time: seconds the --max-error search may take
     validate: bool = False
     atol: float | None = None           # --validate: an element-wise criterion on top of the budget
     rtol: float | None = None
@@ -70,6 +73,8 @@ class Options:
         if o.shapes is not None:
             from .inputs import parse_shapes
             o.shapes = parse_shapes(o.shapes)
+        if o.search_time is not None and not (isinstance(o.search_time, (int, float)) and o.search_time > 0):
+            raise GraphmpError(f"--search-time must be a number of seconds > 0, not {o.search_time}")
         if o.max_error is not None:
             from .budget import METRICS, parse
             parse(o.max_error)
@@ -78,6 +83,9 @@ class Options:
             if o.calibration == "off":
                 raise GraphmpError("--max-error measures the error on calibration batches: it cannot run with "
                                    "--no-calibration (pass --calibration DATA, or nothing for generated inputs)")
+        if o.plan is not None:
+            from .passes.plan_file import load
+            o.plan = load(o.plan)
         return o
 
     @property
@@ -107,8 +115,11 @@ class Ctx:
     types: dict = field(default_factory=dict)      # graph key -> {tensor: elem_type}
     ranges: dict = field(default_factory=dict)     # (graph key, tensor) -> max |x| over calibration
     batches: list = field(default_factory=list)    # calibration feeds that ran (for the search)
+    batch_outputs: list = field(default_factory=list)  # the model's outputs on the first batches (calibrate)
+    range_candidates: dict = field(default_factory=dict)  # id(node) -> range reason the search may overrule
     search_refs: list = field(default_factory=list)  # FP32 outputs on those batches (search, verify)
     search_budget: object = None                    # graphmp.budget.Budget of --max-error (search, verify)
+    plan: object = None                             # node keys, budget, references (passes/plan_file.py)
     info: dict = field(default_factory=dict)       # id(node) -> NodeInfo
     weight_rounding: dict = field(default_factory=dict)  # (graph key, weight) -> FP16 rounding facts or None (classify)
     lowered: set = field(default_factory=set)      # id(node) of nodes running in low precision

@@ -19,7 +19,7 @@ from .io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, mo
                  tensor_nbytes)
 from .save import save_model
 from .wire import is_self_reference
-from .passes import PassResult, apply, calibrate, classify, fuse, paint, prepare, search, types
+from .passes import PassResult, apply, calibrate, classify, fuse, paint, plan_file, prepare, search, types
 from .passes.apply import LowConverter, to_low
 
 MARK_KEY = "graphmp"
@@ -43,10 +43,13 @@ PIPELINE = [
     ("calibration", calibrate.run),                  # max |x| of every float tensor (FP32 runs)
     ("classify", classify.run),                      # op class; why a node must stay FP32
     ("paint", paint.run),                            # which nodes run in the low type
-    ("search", search.run),                          # --max-error: fewest FP32 nodes within budget
+    ("search", plan_file.unless_plan(search.run)),   # --max-error: fewest FP32 nodes within budget (not with --plan)
+    ("plan", plan_file.run),                         # --plan: the saved precisions; --save-plan: node keys
     (None, apply.run),                               # Casts, converted weights
     ("sort", sort),                                  # topological order, written back
     ("search", search.verify),                       # --max-error: the written model's error
+    ("plan", plan_file.verify),                      # --plan: the written model's error
+    ("plan", plan_file.save),                        # --save-plan: the plan file
 ]
 
 
@@ -100,6 +103,8 @@ class ConvertReport:
                 f"{v} {k}" for k, v in f["fused"].items()) if f["fused"] else f"  fuse: {f['note']}")
         if d.get("search", {}).get("budget"):
             lines.append(_search_line(d["search"]))
+        if d.get("plan"):
+            lines.append(plan_file.summary_line(d["plan"]))
         if d["fp32_by_reason"]:
             lines.append("  kept FP32:")
             for reason, count in d["fp32_by_reason"].items():
@@ -130,11 +135,18 @@ def _search_line(s: dict) -> str:
     if "held_out_error" in s:
         held = (f", held-out batch {s['held_out_error']:.3g} (above: refit on every batch)" if s["refit_on_all_batches"]
                 else f", held-out batch {s['held_out_error']:.3g}")
-    return (head + f"{'met' if s['reached'] else 'NOT met'}, error {s['error']:.3g} x budget{held} (static plan "
-            f"{s['error_static_plan']:.3g}); floor {floor:.3g}; {len(s['fp32_regions'])} regions kept FP32 "
+    def num(x):
+        return "not measured" if x is None else f"{x:.3g}"
+    met = {True: "met", False: "NOT met"}.get(s["reached"], "not measured")
+    stopped = " (--search-time ran out: best plan so far)" if s.get("out_of_time") else ""
+    return (head + f"{met}{stopped}, error {num(s['error'])} x budget{held} (static plan "
+            f"{num(s.get('error_static_plan'))}); floor {floor:.3g}; {len(s['fp32_regions'])} regions kept FP32 "
             f"({100 * (1 - s['static_plan_compute_kept_fp16']):.1f}% of the static plan's FP16 compute); "
-            f"{100 * s['model_compute_fp16']:.1f}% of the model's Conv/MatMul compute in FP16; "
-            f"{s['evaluations']} evaluations, {s['seconds']:.1f} s")
+            + (f"{100 * s['model_compute_fp16']:.1f}% of the model's Conv/MatMul compute in FP16; "
+               if s.get("model_compute_fp16") is not None else "Conv/MatMul compute share unknown (no shapes); ")
+            + f"{s['evaluations']} evaluations, {s['seconds']:.1f} s"
+            + (f"\n  given back: {len(s['given_back'])} node(s) the range rule (|x| > --range-threshold) keeps FP32 "
+               "run in FP16 within the budget (report: search.given_back)" if s.get("given_back") else ""))
 
 
 def _calibration_line(c: dict) -> str:
@@ -153,6 +165,8 @@ def _reason_group(reason: str) -> str:
         return "initializer values out of the low-precision range"
     if reason.startswith("search:"):
         return "search: kept FP32 to meet --max-error"
+    if reason.startswith("plan:"):
+        return "plan: FP32 as the --plan file says"
     if reason.startswith("INT8 Q/DQ"):
         return "INT8 Q/DQ op (kept for the INT8 fusion)"
     if reason.startswith("FP32 spread"):
@@ -188,16 +202,6 @@ def _check_op_names(ops, model, where, fused=False):
                                + (f" (did you mean {close[0]}?)" if close else "") + "; op names are case-sensitive")
 
 
-def _check_search_opset(model, where):
-    """--max-error's switchable model needs opset 9 (Where): say so before calibrating,
-    not after, when the model's ops cannot be upgraded that far."""
-    from .opset import blockers, default_opset
-    stop = blockers(model, 9) if default_opset(model) < 9 else []
-    if stop:
-        raise GraphmpError(f"{where}: --max-error needs the model at opset 9 or later, and {', '.join(stop)} cannot be "
-                           "upgraded; convert without --max-error, or re-export the model with opset >= 9")
-
-
 def convert(src, dst=None, **options) -> ConvertReport:
     """Convert an FP32 ONNX model (path or ModelProto) to mixed precision.
 
@@ -207,15 +211,14 @@ def convert(src, dst=None, **options) -> ConvertReport:
     calibration (None: generated inputs; "off"; .npz path(s) or dicts of arrays),
     shapes (NAME:DIMS,... for generated inputs), range_threshold, external_data,
     pad_channels, validate, atol, rtol, verbose, fuse ("ort": ONNX Runtime's transformer
-    fusions first; the output is then for ONNX Runtime only), model_type.
+    fusions first; the output is then for ONNX Runtime only), model_type, plan (a file
+    of save_plan: its precisions, no search; graphmp/passes/plan_file.py), save_plan.
     """
     t0 = time.perf_counter()
     opts = Options.from_kwargs(options)
     model, path, base_dir = open_model(src, dst, by_reference=True)
     t_load = time.perf_counter() - t0
     _check_op_names(opts.fp32_ops, model, path, fused=opts.fuse is not None)
-    if opts.max_error is not None:
-        _check_search_opset(model, path)
     had_external = any(is_external(t) and not is_self_reference(t, path)
                        for g in iter_graphs(model.graph) for t in g.initializer)
     ctx = Ctx(model=model, options=opts, path=path, base_dir=base_dir)

@@ -44,6 +44,7 @@ class Calibration:
     proven_types: dict = field(default_factory=dict)  # main-graph tensor -> elem type
     report: dict = field(default_factory=dict)
     batches: list = field(default_factory=list)    # the feeds that ran (the search measures on them)
+    outputs: list = field(default_factory=list)    # the model's FP32 outputs on the first keep_outputs batches
 
 
 # --------------------------------------------------------------------------- probe
@@ -137,8 +138,9 @@ class _Probe:
 class _Runner:
     """Runs the probe and folds each successful run into the ranges."""
 
-    def __init__(self, sess, probe: _Probe, cal: Calibration):
+    def __init__(self, sess, probe: _Probe, cal: Calibration, model_outputs: list, keep_outputs: int):
         self.sess, self.probe, self.cal = sess, probe, cal
+        self.model_outputs, self.keep_outputs = model_outputs, keep_outputs
         self.outputs = [o.name for o in sess.get_outputs()]
         self.inputs = [i.name for i in sess.get_inputs()]
         self.shapes: list = []
@@ -155,6 +157,9 @@ class _Runner:
             if m > ranges.get(key, -np.inf):
                 ranges[key] = m
         self.shapes.append(", ".join(f"{k}:{dims_text(np.shape(feeds[k]))}" for k in self.inputs))
+        if len(self.cal.outputs) < self.keep_outputs:  # the search's FP32 references: no second run
+            got = dict(zip(self.outputs, outs))
+            self.cal.outputs.append({k: got[k] for k in self.model_outputs})
         self.cal.batches.append({k: feeds[k] for k in self.inputs})
 
 
@@ -184,14 +189,17 @@ def _ort_types(model, types, base_dir) -> dict:
     return {o.name: _ORT_TYPES[o.type] for o in sess.get_outputs() if o.name in unknown and o.type in _ORT_TYPES}
 
 
-def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<model>") -> Calibration:
+def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<model>",
+              keep_outputs: int = 0) -> Calibration:
     """Ranges of every float tensor over the calibration batches (see the module doc).
 
     data: None/"auto" (generated inputs), "off", or .npz path(s) / dicts of arrays.
     shapes: --shapes for generated inputs (NAME:DIMS,... or a dict).
     Generated inputs make two batches: a second one costs a full run of the model but
     sees more (on PP-OCRv4's detector a tensor passed the range threshold only in the
-    second batch, 515.8 vs 512), and the search uses it as its held-out batch."""
+    second batch, 515.8 vs 512), and the search uses it as its held-out batch.
+    keep_outputs: the model's own outputs of the first this many batches are kept in
+    cal.outputs (the probe runs unoptimised, as the search's references must)."""
     cal = Calibration()
     if data == "off":
         cal.report = {"source": "off", "batches": 0}
@@ -213,7 +221,7 @@ def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<mo
                       "warning": "no range check was done: nodes that overflow FP16 were not found"}
         return cal
     del probe.model
-    run = _Runner(sess, probe, cal)
+    run = _Runner(sess, probe, cal, [o.name for o in model.graph.output], keep_outputs)
     specs = input_specs(model)
     if generated:
         plan = find_shapes(model, run, shapes, where=where)
@@ -242,10 +250,14 @@ def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<mo
 
 def run(ctx) -> PassResult:
     """Needs the prepared model and ctx.types. Sets ctx.ranges; proves unknown main-graph types."""
+    from .search import MAX_SEARCH_BATCHES
+    wants_references = ctx.options.max_error is not None or ctx.options.plan is not None  # search / plan verify
     cal = calibrate(ctx.model, ctx.types, data=ctx.options.calibration, shapes=ctx.options.shapes,
-                    base_dir=ctx.base_dir, where=ctx.path)
+                    base_dir=ctx.base_dir, where=ctx.path,
+                    keep_outputs=MAX_SEARCH_BATCHES + 1 if wants_references else 0)
     ctx.ranges = cal.ranges
     ctx.batches = cal.batches
+    ctx.batch_outputs = cal.outputs
     if cal.report.get("warning"):
         ctx.warn(f"calibration {cal.report['source']}: {cal.report['warning']}")
     if cal.report["source"] == "generated inputs":

@@ -19,7 +19,9 @@ reason recorded) when any of these hold, in this order of precedence:
      Cast inside that unit would break the fusion and move quantization buckets);
   5. an initializer it reads would change meaning in the target type (beyond the
      range, or a small constant that rounds to zero);
-  6. calibration saw a value above the range threshold on one of its float tensors;
+  6. calibration saw a value above the range threshold on one of its float tensors (with
+     --max-error, up to GIVE_BACK_RANGE, it is only a candidate: ctx.range_candidates,
+     and the search decides by the measured error);
   7. its op class is fp32 (reductions, Softmax, normalisations, Exp/Log, ...);
   8. it squares a tensor (Mul(x, x)) whose squares are summed (ReduceSum/ReduceMean, through
      data movement), as Pow already is by its class: a variance taken as E[x^2] - E[x]^2
@@ -48,6 +50,10 @@ FP16_MAX = 65504.0
 FP16_TINY = 2.0 ** -24          # smallest FP16 subnormal: below half of it rounds to 0
 BF16_MAX = 3.3895e38
 SMALL_CONST = 64                # initializers this small are constants (eps, scales, masks)
+# With --max-error, rule 6 is a guess the search can test: a node it would keep FP32 starts
+# in FP16 when calibration's widest |x| leaves 16x headroom below FP16's max, and stays
+# there only where the measured error allows (passes/search.py, "given back").
+GIVE_BACK_RANGE = FP16_MAX / 16
 
 
 def _raised(schema, n, ins, outs, var_types) -> NodeInfo | None:
@@ -229,6 +235,20 @@ def _recurrence_nodes(ctx, g, users: dict) -> set:
     return out
 
 
+def _range_reason(ctx, g, n) -> tuple[str | None, float]:
+    """(rule 6's reason or None, the widest |x| calibration saw on the node's float tensors)."""
+    reason, widest = None, 0.0
+    for x in list(n.inputs) + list(n.outputs):
+        owner = g.owner_of(x) if x else None
+        r = ctx.ranges.get((owner.key if owner is not None else g.key, x))
+        if r is None or ctx.type_of(g, x) != FLOAT:
+            continue
+        widest = max(widest, r)
+        if reason is None and r > ctx.options.range_threshold:
+            reason = f"range: |{x}| reached {_fmt(r)} in calibration (threshold {_fmt(ctx.options.range_threshold)})"
+    return reason, widest
+
+
 def classify(ctx):
     opt = ctx.options
     qdq = {g.key: _qdq_edges(g) for g in ctx.root.walk()}
@@ -281,13 +301,11 @@ def classify(ctx):
                 if info.reason:
                     break
         if info.reason is None and ctx.ranges:
-            for x in list(n.inputs) + list(n.outputs):
-                owner = g.owner_of(x) if x else None
-                r = ctx.ranges.get((owner.key if owner is not None else g.key, x))
-                if r is not None and r > opt.range_threshold and ctx.type_of(g, x) == FLOAT:
-                    info.reason = (f"range: |{x}| reached {_fmt(r)} in calibration "
-                                   f"(threshold {_fmt(opt.range_threshold)})")
-                    break
+            reason, widest = _range_reason(ctx, g, n)
+            if reason and opt.max_error is not None and widest <= GIVE_BACK_RANGE:
+                ctx.range_candidates[id(n)] = reason  # the search measures it in FP16 first
+            elif reason:
+                info.reason = reason
         if info.reason is None and cls == "fp32":
             info.reason = f"{n.op_type} is range-sensitive (FP32 op class)"
         if info.reason is None and _summed_square(g, n, consumers):

@@ -1,0 +1,99 @@
+"""The --max-error search starts from the most-FP16 plan the hard rules allow: nodes that
+only the static range rule (|x| > --range-threshold in calibration) keeps FP32 start in
+FP16 and stay there when the measured error allows ("given back"); up to 16x headroom
+below FP16's max (classify.GIVE_BACK_RANGE); beyond it the rule stays a hard one."""
+import numpy as np
+import onnx
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
+
+import graphmp
+from graphmp.cli import main
+from graphmp.emulate import emulated_runner
+from graphmp.oracle import runner
+from graphmp.passes.classify import GIVE_BACK_RANGE
+
+
+def _mlp(peak: float, cancel: bool = False, seed: int = 0) -> onnx.ModelProto:
+    """x[4,64] -> MatMul 'wide' (|h| about `peak` on N(0,1) inputs) -> Relu -> head.
+    head: a MatMul to small outputs, or (cancel) the difference of two MatMuls that
+    agree to 0.1%: their FP16 rounding (0.25 at 700) is most of the result."""
+    rng = np.random.default_rng(seed)
+    w1 = (rng.standard_normal((64, 64)) * peak / 24).astype(np.float32)
+    inits = [numpy_helper.from_array(w1, "w1")]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="wide"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu")]
+    if cancel:
+        a = (rng.standard_normal((64, 16)) / 8).astype(np.float32)
+        inits += [numpy_helper.from_array(a, "a"), numpy_helper.from_array((a * 1.001).astype(np.float32), "b")]
+        nodes += [helper.make_node("MatMul", ["r", "a"], ["p"], name="head_p"),
+                  helper.make_node("MatMul", ["r", "b"], ["q"], name="head_q"),
+                  helper.make_node("Sub", ["q", "p"], ["y"], name="difference")]
+    else:
+        inits.append(numpy_helper.from_array((rng.standard_normal((64, 16)) / peak).astype(np.float32), "w2"))
+        nodes.append(helper.make_node("MatMul", ["r", "w2"], ["y"], name="head"))
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", T.FLOAT, [4, 64])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [4, 16])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _widest(peak: float) -> float:
+    """The range the rule saw on 'wide' (from its static reason)."""
+    reason = graphmp.convert(_mlp(peak), None).fp32_nodes["wide"]
+    return float(reason.split("reached ")[1].split(" ")[0])
+
+
+def _error(src, conv, seed=7) -> float:
+    x = {"x": np.random.default_rng(seed).standard_normal((4, 64)).astype(np.float32)}
+    want, got = runner(src)(x)["y"], emulated_runner(conv)(x)["y"]
+    return float(np.abs(want - got).max() / np.abs(want).max())
+
+
+def test_range_rule_is_given_back_where_the_budget_allows():
+    src = _mlp(700)
+    static = graphmp.convert(src, None)
+    assert static.fp32_nodes["wide"].startswith("range:")  # the rule fires without a budget
+    assert 512 < _widest(700) <= GIVE_BACK_RANGE
+    rep = graphmp.convert(src, None, max_error="1e-2")
+    assert "wide" not in rep.fp32_nodes and "head" not in rep.fp32_nodes
+    back = {e["node"]: e["range_rule"] for e in rep["search"]["given_back"]}
+    assert set(back) >= {"wide", "relu", "head"} and back["wide"].startswith("range:")
+    assert rep["search"]["reached"] and rep["search"]["verified"]["normalized"] <= 1
+    assert _error(src, rep.model) <= 1e-2  # held on inputs the search never saw
+
+
+def test_beyond_the_headroom_the_range_rule_stays_hard():
+    src = _mlp(20000)
+    assert _widest(20000) > GIVE_BACK_RANGE
+    rep = graphmp.convert(src, None, max_error="1e-2")
+    assert rep.fp32_nodes["wide"].startswith("range:")
+    assert not rep["search"].get("given_back")
+
+
+def test_a_candidate_that_breaks_the_budget_is_kept_fp32_with_both_reasons():
+    src = _mlp(700, cancel=True)
+    rep = graphmp.convert(src, None, max_error="1e-2")
+    kept = {k: v for k, v in rep.fp32_nodes.items() if k.startswith("head_")}
+    assert kept, rep.fp32_nodes  # the cancelling MatMuls cannot be FP16 at this budget
+    assert all(v.startswith("search:") and "range: |r| reached" in v for v in kept.values()), kept
+    assert rep["search"]["reached"]
+    assert _error(src, rep.model) <= 1e-2
+
+
+def test_cli_summary_names_the_given_back_nodes(tmp_path, capsys):
+    src = tmp_path / "mlp.onnx"
+    onnx.save(_mlp(700), src)
+    assert main(["convert", str(src), "-o", str(tmp_path / "out.onnx"), "--max-error", "1e-2"]) == 0
+    out = capsys.readouterr().out
+    assert "given back: 3 node(s) the range rule" in out, out
+
+
+def test_search_time_keeps_the_best_plan_so_far_and_says_so():
+    src = _mlp(700, cancel=True)
+    rep = graphmp.convert(src, None, max_error="1e-3", search_time=1e-6)
+    s = rep["search"]
+    assert "--search-time" in s["out_of_time"] and any("--search-time" in w for w in rep["warnings"])
+    # nothing within budget was measured before the time ran out: every candidate stays FP32,
+    # and the written model's error is the verdict
+    assert s["verified"]["normalized"] == s["error"] and s["reached"] == (s["error"] <= 1)
+    assert {"wide", "head_p", "head_q"} <= set(rep.fp32_nodes)
