@@ -279,7 +279,8 @@ def test_bench_model_with_no_float_runs_as_it_is(tmp_path, capsys):
     d, _ = _bench(p, tmp_path, capsys)
     rows = _rows(d)
     assert d["model"]["source_precision"]["precision"] == "no float"
-    assert rows["fp32"]["label"] == "source (no float)" and rows["fp32"]["model"] == "the source as it is"
+    assert rows["fp32"]["label"] == "source (no float)"
+    assert rows["fp32"]["model"].startswith("the source")  # as it is, or through graphmp's cleanups
     assert rows["fp16"]["model"] == NOTHING and all(r["status"] == "ok" for r in rows.values())
 
 

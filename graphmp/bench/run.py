@@ -40,7 +40,7 @@ from .runners import (TIMING, TIMING_TEXT, FellBack, OrtRunner, TrtRunner, devic
                       ort_cuda_options, ort_cuda_status, time_interleaved, timed_loop, trt_status)
 
 SCHEMA_VERSION = 2
-NOTHING = "nothing to convert"  # graphmp.convert's error for a model with no FP32 work
+NOTHING = "nothing to convert"  # graphmp.convert's word for a model with no FP32 work
 CUDNN_SEARCH = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
 @dataclass
 class Settings:
@@ -275,7 +275,7 @@ class _Run:
                     self.labels["fp16"] = (f"mixed FP16 (graphmp) of the {prec} source", SOURCES["fp16"])
                 return
             self.conversion["nothing_converted"] = next(
-                (w for w in d.get("warnings") or [] if w.startswith("nothing was converted")),
+                (w for w in d.get("warnings") or [] if w.startswith(("nothing was converted", "the model has no FP32"))),
                 "graphmp converted no node to FP16")
         self.models["fp16"] = path
         self.labels["fp16"] = (f"source ({prec})", "converted: nothing to convert, same as source")

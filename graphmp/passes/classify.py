@@ -41,7 +41,6 @@ from onnx import TensorProto
 
 from .. import ops
 from ..context import FLOAT, NodeInfo
-from ..errors import GraphmpError
 from ..io import tensor_array
 from ..kernels import weight_facts
 from . import PassResult
@@ -317,13 +316,15 @@ def classify(ctx):
 
 
 def run(ctx) -> PassResult:
-    """Also refuses a model with nothing to do: no FP32 work to lower and no FP16 node
-    that --fp32-nodes raises."""
+    """Also says when a model has nothing to do (no FP32 work to lower and no FP16 node
+    that --fp32-nodes raises: an FP16, BF16 or integer-only source): a warning, and the
+    output computes as the source does."""
     classify(ctx)
     fp32 = sum(1 for i in ctx.info.values() if i.reason)
     raised = sum(1 for i in ctx.info.values() if i.high_inputs or i.high_outputs)
     if not raised and not any(t == FLOAT for d in ctx.types.values() for t in d.values()):
-        raise GraphmpError(f"{ctx.path}: the model has no FP32 tensors, so there is nothing to convert"
-                           + ("; --fp32-nodes matched no FP16 node" if ctx.options.fp32_nodes else "")
-                           + " (to compute FP16 nodes in FP32, name them with --fp32-nodes REGEX)")
+        ctx.warn("the model has no FP32 tensors, so there is nothing to convert (an FP16, BF16 or integer-only model); "
+                 "the output computes as the source does"
+                 + ("; --fp32-nodes matched no FP16 node" if ctx.options.fp32_nodes else "")
+                 + " (to compute FP16 nodes in FP32, name them with --fp32-nodes REGEX)")
     return PassResult(changed=False, details={"nodes_that_must_stay_fp32": fp32, "nodes_raised_to_fp32": raised})
