@@ -60,9 +60,13 @@ examples:
 accuracy budget (--max-error):
   The search measures the error FP16-faithfully (FP16 storage, FP32 math, as Tensor Cores
   do) on the calibration batches, finds which regions of the model cause it, and keeps
-  the cheapest set FP32 that brings every output within the budget. With two batches or
-  more the last one is held back to check the plan. The report lists every node the
-  search kept FP32, the error it removed and its share of the compute.
+  the cheapest set FP32 that brings every output within the budget. It starts from the
+  most-FP16 plan: nodes only the range rule keeps FP32 (|x| up to 4094) start in FP16 and
+  stay there where the error allows ("given back"). With two batches or more the last
+  one is held back; the plan must also hold on a perturbed copy of the first (shifted one
+  step, x1.01). Progress every 2 s; --search-time S stops with the best plan so far. The
+  report lists every node the search kept FP32, the error it removed and its share of
+  the compute, and the error per batch.
 
 plans you keep (--save-plan, --plan):
   --save-plan writes the precision chosen for every float node (FP16/BF16 or FP32, and

@@ -9,15 +9,17 @@ smallest error and report["search"]["reached"] = False. Nodes it moves to FP32 g
 reason "search: ..." (the static rules' reasons are left as they were); --fp16-nodes and
 --fp32-nodes still win (forced nodes are never candidates).
 
-Steps:
+Steps (1 in passes/regions.py, 2 in passes/switchable.py):
   1. regions: every lowered compute node (Conv, MatMul, Gemm, ...) together with the
      lowered follow/clear nodes that hang from it; cheapest neighbours merged down to
      MAX_REGIONS, so one decision moves a whole region. A region has two switches: its
      compute nodes, and its followers (BatchNorm as Mul/Add, activations, scales);
   2. one switchable model: the FP32 model where each switch's low inputs and outputs
      pass through If(flag) -> round16(x) | x; any plan is one ONNX Runtime run;
-  3. the static plan's error; within budget: done (nothing moves);
-  4. sensitivity: the error with only region r in FP16, everything else FP32;
+  3. the static plan's error (the most-FP16 plan: nodes only the range rule keeps FP32
+     start in FP16, see classify.GIVE_BACK_RANGE); within budget: done (nothing moves);
+  4. sensitivity: the error with only region r in FP16, everything else FP32, on the
+     first batch; quiet groups of regions measured together (group testing);
   5. regions ordered by squared error per unit of price (half compute share, half weight
      share; rounding errors add about in quadrature): the most error for the least
      price goes FP32 first; bisection on how many;
@@ -26,273 +28,32 @@ Steps:
   7. split: for each FP32 region, most expensive first, its compute nodes go back to
      FP16 with only its followers FP32 (the rounding of elementwise chains is often the
      damage, and FP32 elementwise work is cheap), where the budget holds;
-  8. held-out: with two batches or more, steps 4-7 use all but the last, which then
-     checks the plan (not overfitting the search batches); if it fails there, steps 5-7
-     run again on every batch. Both errors are reported.
+  8. held-out: steps 4-7 use all calibration batches but the last (with one: that one);
+     the last and a perturbed copy of the first (`perturbed`: shifted one step, x1.01)
+     then check the plan; if it fails there, steps 5-7 run again on every batch. The
+     error per batch is reported.
+--search-time S: past S seconds no new plan is measured; the cheapest plan measured
+within budget so far is kept (or every region FP32), said in the report and a warning,
+and verify measures the written model.
 """
 from __future__ import annotations
 
-import re
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
 
-from .. import ops
 from ..budget import errors, measure
 from ..errors import GraphmpError
-from ..io import tensor_array
-from ..ir import Names
-from ..kernels import to_fp16
 from ..oracle import runner
 from . import PassResult
-from .paint import float_edges
+from .regions import _is_compute, _node_costs, _weight_bytes, regions, whole
+from .switchable import Switchable
 
-MAX_REGIONS = 48
 MAX_SEARCH_BATCHES = 4
 GIVE_BACK = 8       # evaluations spent giving regions back (step 6)
 SPLIT = 10          # and splitting them (step 7)
 QUIET = 0.05        # sensitivity: a group whose squared error is at most its share of this is not split
 SINGLES = 3         # sensitivity: groups this small are measured region by region
-
-
-@dataclass
-class Region:
-    nodes: list = field(default_factory=list)      # IR nodes
-    graph: str = "main"
-    cost: float = 0.0
-    weight_bytes: int = 0
-    error_alone: float = 0.0                       # normalized error with only this region in FP16
-
-    @property
-    def anchor(self):
-        return next((n for n in self.nodes if _is_compute(n)), self.nodes[0])
-
-    def parts(self) -> tuple[list, list]:
-        """(compute nodes, followers): the region's two switches."""
-        return [n for n in self.nodes if _is_compute(n)], [n for n in self.nodes if not _is_compute(n)]
-
-
-def _is_compute(n) -> bool:
-    return ops.op_class(n.op_type, n.domain) == "fp16"
-
-
-def whole(regions) -> frozenset:
-    """The switches (units) of these regions: unit 2k is region k's compute nodes, 2k+1
-    its followers."""
-    return frozenset(u for k in regions for u in (2 * k, 2 * k + 1))
-
-
-# --------------------------------------------------------------------------- 1. regions
-def _node_costs(ctx, batch) -> dict:
-    """name -> FLOPs (Conv/MatMul/Gemm: multiply-adds x 2; other ops: output elements)
-    at the batch's concrete input shapes, for the nodes of every graph (If/Loop/Scan
-    bodies too: Silero VAD computes inside If branches), from shape inference with data
-    propagation (a Reshape to a computed shape keeps its dims); missing shapes -> 0."""
-    from ..io import iter_graphs, skeleton
-    skel = skeleton(ctx.model)
-    for v in skel.graph.input:
-        if v.name in batch:
-            shape = v.type.tensor_type.shape
-            shape.ClearField("dim")
-            for d in np.shape(batch[v.name]):
-                shape.dim.add().dim_value = int(d)
-    try:
-        skel = onnx.shape_inference.infer_shapes(skel, strict_mode=False, data_prop=True)
-    except Exception:  # noqa: BLE001 - costs fall back on weight bytes
-        return {}
-    shapes, nodes = {}, []
-    for g in iter_graphs(skel.graph):
-        for v in list(g.value_info) + list(g.output) + list(g.input):
-            dims = [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
-            if v.type.tensor_type.HasField("shape") and None not in dims:
-                shapes[v.name] = dims
-        shapes.update({t.name: list(t.dims) for t in g.initializer})
-        nodes += list(g.node)
-    return {n.name: c for n in nodes if (c := _flops(n, shapes)) is not None}
-
-
-def _flops(n, shapes: dict) -> float | None:
-    out = shapes.get(n.output[0]) if n.output else None
-    if out is None:
-        return None
-    elems = float(np.prod(out)) if out else 1.0
-    w = shapes.get(n.input[1]) if len(n.input) > 1 else None
-    a = shapes.get(n.input[0]) if n.input else None
-    if n.op_type == "Conv" and w:
-        return 2 * elems * float(np.prod(w[1:]))
-    if n.op_type == "ConvTranspose" and w and a:
-        return 2 * float(np.prod(a)) * float(np.prod(w[1:]))
-    if n.op_type in ("MatMul", "Gemm") and a:
-        trans_a = next((x.i for x in n.attribute if x.name == "transA"), 0)
-        return 2 * elems * float(a[-2] if trans_a and len(a) > 1 else a[-1])
-    return elems
-
-
-def _weight_bytes(ctx, g, n) -> int:
-    total = 0
-    for x in n.inputs:
-        owner = g.owner_of(x) if x else None
-        if owner is not None and x in owner.initializers:
-            t = owner.initializers[x]
-            total += int(np.prod(t.dims)) * 4 if t.data_type == TensorProto.FLOAT else 0
-    return total
-
-
-def regions(ctx, costs: dict) -> list[Region]:
-    """Candidate regions of the painted plan (step 1)."""
-    forced = re.compile(ctx.options.fp16_nodes) if ctx.options.fp16_nodes else None
-    out: list[Region] = []
-    for g in ctx.root.walk():
-        _, pred = float_edges(ctx, g)
-        region_of: dict = {}
-        for n in g.nodes:
-            if id(n) not in ctx.lowered or (forced and forced.search(n.name)):
-                continue
-            up = [region_of[id(p)] for p in pred[id(n)] if id(p) in region_of]
-            if ops.op_class(n.op_type, n.domain) == "fp16" or not up:
-                r = Region(graph=g.key)
-                out.append(r)
-            else:
-                r = up[0]
-            r.nodes.append(n)
-            r.cost += costs.get(n.name, 0.0)
-            r.weight_bytes += _weight_bytes(ctx, g, n)
-            region_of[id(n)] = r
-    _fill_unknown_costs(out)
-    while len(out) > MAX_REGIONS:  # merge the cheapest pair of neighbours in one graph
-        pairs = [(out[i].cost + out[i + 1].cost, i) for i in range(len(out) - 1) if out[i].graph == out[i + 1].graph]
-        if not pairs:
-            break
-        _, i = min(pairs)
-        a, b = out[i], out.pop(i + 1)
-        a.nodes += b.nodes
-        a.cost += b.cost
-        a.weight_bytes += b.weight_bytes
-    return out
-
-
-def _fill_unknown_costs(regs: list[Region]):
-    """Regions whose FLOPs shape inference could not give (a body whose shapes it left
-    unknown: Silero VAD's If branches) get their weight bytes at the model's FLOPs per
-    weight byte, so that merging and prices do not treat them as free (merged as free,
-    one region held every conv of Silero's encoder and its STFT together)."""
-    known = [r for r in regs if r.cost and r.weight_bytes]
-    ratio = sum(r.cost for r in known) / sum(r.weight_bytes for r in known) if known else 1.0
-    for r in regs:
-        if not r.cost:
-            r.cost = float(r.weight_bytes * ratio or len(r.nodes))
-
-
-# --------------------------------------------------------------------------- 2. switchable model
-class Switchable:
-    """The FP32 model with one boolean input per unit (see `whole`): True rounds the
-    unit's low inputs and outputs to the low type (it runs in FP16), False: FP32.
-    Lowered nodes that are no candidate (--fp16-nodes) are rounded always.
-
-    Each evaluation of the search is one run of this model, so it holds as little extra
-    work as the semantics allow (it ran 6x the FP32 model's time when every low edge had
-    its own Cast-Cast-Where): a switch is an If (see _sel), a weight is rounded once here,
-    in numpy, and a tensor that its producer already rounds in the same unit (or always)
-    is not rounded again by its readers (rounding is idempotent)."""
-
-    def __init__(self, ctx, regs: list[Region]):
-        ctx.root.write_back()  # the proto holds exactly the IR's nodes
-        model = onnx.ModelProto()
-        model.CopyFrom(ctx.model)
-        self.names = Names(model)
-        self.flags = [self.names.fresh(f"graphmp_search_unit_{u}") for u in range(2 * len(regs))]
-        self.low, self.base_dir = ctx.low, ctx.base_dir
-        self.where = {n.name: (None, ctx.info[id(n)]) for _, n in ctx.nodes() if id(n) in ctx.lowered}
-        for k, r in enumerate(regs):
-            for part, nodes in enumerate(r.parts()):
-                for n in nodes:
-                    self.where[n.name] = (2 * k + part, ctx.info[id(n)])
-        self.main = model.graph
-        self.weights = {t.name: t for t in model.graph.initializer}
-        self.rounded_weights: dict = {}
-        self._rewrite(model.graph)
-        model.graph.initializer.extend(self.rounded_weights.values())
-        for f in self.flags:
-            model.graph.input.append(helper.make_tensor_value_info(f, TensorProto.BOOL, []))
-        self.run = runner(model, base_dir=ctx.base_dir, optimize=False)  # see graphmp.emulate
-
-    def _round_weight(self, x: str):
-        """A main-graph initializer holding x's values rounded to the low type, or None
-        (not an initializer of the main graph, or a type numpy cannot round)."""
-        if x not in self.rounded_weights:
-            t = self.weights[x]
-            if self.low != TensorProto.FLOAT16:
-                return None  # BF16: ONNX Runtime's Cast rounds it; no numpy twin relied on here
-            a = to_fp16(tensor_array(t, self.base_dir)).astype(np.float32).reshape(tuple(t.dims))
-            self.rounded_weights[x] = onnx.numpy_helper.from_array(a, self.names.fresh(f"{x}__s_rounded"))
-        return self.rounded_weights[x].name
-
-    def _sel(self, x, k, g, out=None) -> tuple[str, list]:
-        """(name, nodes): x rounded when unit k runs in FP16 (k None: always). A switched
-        rounding is an If on the unit's flag (Cast-Cast, or the pre-rounded weight, in
-        one branch; x in the other): ONNX Runtime's Where cost 2.5x as much, and an If
-        whose unit is FP32 costs almost nothing."""
-        fresh = self.names.fresh
-        y = out or fresh(f"{x}__s_r{k}")
-        weight = None
-        if out is None and g is self.main and x in self.weights and self.weights[x].data_type == TensorProto.FLOAT:
-            weight = self._round_weight(x)
-        if k is None:
-            if weight is not None:
-                return weight, []
-            mid = fresh(f"{x}__s_low")
-            return y, [helper.make_node("Cast", [x], [mid], to=self.low, name=fresh("search_cast")),
-                       helper.make_node("Cast", [mid], [y], to=TensorProto.FLOAT, name=fresh("search_cast"))]
-        low, up, same = fresh(f"{x}__s_low"), fresh(f"{x}__s_round"), fresh(f"{x}__s_keep")
-        rounded = ([helper.make_node("Identity", [weight], [up], name=fresh("search_rounded"))] if weight is not None
-                   else [helper.make_node("Cast", [x], [low], to=self.low, name=fresh("search_cast")),
-                         helper.make_node("Cast", [low], [up], to=TensorProto.FLOAT, name=fresh("search_cast"))])
-        then = helper.make_graph(rounded, fresh("search_fp16"), [],
-                                 [helper.make_tensor_value_info(up, TensorProto.FLOAT, None)])
-        keep = helper.make_graph([helper.make_node("Identity", [x], [same], name=fresh("search_keep"))],
-                                 fresh("search_fp32"), [], [helper.make_tensor_value_info(same, TensorProto.FLOAT, None)])
-        return y, [helper.make_node("If", [self.flags[k]], [y], name=fresh("search_switch"), then_branch=then,
-                                    else_branch=keep)]
-
-    def _rewrite(self, g):
-        nodes, cache = [], {}
-        rounded_in: dict = {}  # tensor -> the unit whose output rounding stores it (None: always)
-        for n in g.node:
-            for a in n.attribute:
-                for sg in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                    self._rewrite(sg)
-            hit = self.where.get(n.name)
-            if hit is None:
-                nodes.append(n)
-                continue
-            k, info = hit
-            for i in info.low_inputs:
-                x = n.input[i]
-                if x in rounded_in and rounded_in[x] in (None, k):
-                    continue  # stored rounded by its producer in this state already
-                if (x, k) not in cache:
-                    cache[(x, k)], extra = self._sel(x, k, g)
-                    nodes.extend(extra)
-                n.input[i] = cache[(x, k)]
-            post = []
-            for i in info.low_outputs:
-                y = n.output[i]
-                raw = self.names.fresh(f"{y}__s_fp32")
-                n.output[i] = raw
-                post.extend(self._sel(raw, k, g, out=y)[1])
-                rounded_in[y] = k
-            nodes.append(n)
-            nodes.extend(post)
-        del g.node[:]
-        g.node.extend(nodes)
-
-    def outputs(self, batch: dict, fp32: frozenset) -> dict:
-        """The model's outputs with the units in `fp32` computed in FP32, the rest in FP16."""
-        flags = {f: np.array(u not in fp32) for u, f in enumerate(self.flags)}
-        return self.run({**batch, **flags})
 
 
 # --------------------------------------------------------------------------- 3-7. the search

@@ -1,0 +1,148 @@
+"""regions: the units the --max-error search switches (graphmp.passes.search, step 1).
+
+A region is a lowered compute node (Conv, MatMul, Gemm, ...) with the lowered follow and
+clear nodes that hang from it; the cheapest neighbours are merged down to MAX_REGIONS, so
+one decision moves a whole region. Each region has two switches (units): its compute
+nodes (unit 2k) and its followers (unit 2k+1). Costs are FLOPs at the calibration
+batch's shapes; weight bytes stand in where shape inference gives none.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from .. import ops
+from .paint import float_edges
+
+MAX_REGIONS = 48
+
+
+@dataclass
+class Region:
+    nodes: list = field(default_factory=list)      # IR nodes
+    graph: str = "main"
+    cost: float = 0.0
+    weight_bytes: int = 0
+    error_alone: float = 0.0                       # normalized error with only this region in FP16
+
+    @property
+    def anchor(self):
+        return next((n for n in self.nodes if _is_compute(n)), self.nodes[0])
+
+    def parts(self) -> tuple[list, list]:
+        """(compute nodes, followers): the region's two switches."""
+        return [n for n in self.nodes if _is_compute(n)], [n for n in self.nodes if not _is_compute(n)]
+
+
+def _is_compute(n) -> bool:
+    return ops.op_class(n.op_type, n.domain) == "fp16"
+
+
+def whole(regions) -> frozenset:
+    """The switches (units) of these regions: unit 2k is region k's compute nodes, 2k+1
+    its followers."""
+    return frozenset(u for k in regions for u in (2 * k, 2 * k + 1))
+
+
+def _node_costs(ctx, batch) -> dict:
+    """name -> FLOPs (Conv/MatMul/Gemm: multiply-adds x 2; other ops: output elements)
+    at the batch's concrete input shapes, for the nodes of every graph (If/Loop/Scan
+    bodies too: Silero VAD computes inside If branches), from shape inference with data
+    propagation (a Reshape to a computed shape keeps its dims); missing shapes -> 0."""
+    from ..io import iter_graphs, skeleton
+    skel = skeleton(ctx.model)
+    for v in skel.graph.input:
+        if v.name in batch:
+            shape = v.type.tensor_type.shape
+            shape.ClearField("dim")
+            for d in np.shape(batch[v.name]):
+                shape.dim.add().dim_value = int(d)
+    try:
+        skel = onnx.shape_inference.infer_shapes(skel, strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001 - costs fall back on weight bytes
+        return {}
+    shapes, nodes = {}, []
+    for g in iter_graphs(skel.graph):
+        for v in list(g.value_info) + list(g.output) + list(g.input):
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+            if v.type.tensor_type.HasField("shape") and None not in dims:
+                shapes[v.name] = dims
+        shapes.update({t.name: list(t.dims) for t in g.initializer})
+        nodes += list(g.node)
+    return {n.name: c for n in nodes if (c := _flops(n, shapes)) is not None}
+
+
+def _flops(n, shapes: dict) -> float | None:
+    out = shapes.get(n.output[0]) if n.output else None
+    if out is None:
+        return None
+    elems = float(np.prod(out)) if out else 1.0
+    w = shapes.get(n.input[1]) if len(n.input) > 1 else None
+    a = shapes.get(n.input[0]) if n.input else None
+    if n.op_type == "Conv" and w:
+        return 2 * elems * float(np.prod(w[1:]))
+    if n.op_type == "ConvTranspose" and w and a:
+        return 2 * float(np.prod(a)) * float(np.prod(w[1:]))
+    if n.op_type in ("MatMul", "Gemm") and a:
+        trans_a = next((x.i for x in n.attribute if x.name == "transA"), 0)
+        return 2 * elems * float(a[-2] if trans_a and len(a) > 1 else a[-1])
+    return elems
+
+
+def _weight_bytes(ctx, g, n) -> int:
+    total = 0
+    for x in n.inputs:
+        owner = g.owner_of(x) if x else None
+        if owner is not None and x in owner.initializers:
+            t = owner.initializers[x]
+            total += int(np.prod(t.dims)) * 4 if t.data_type == TensorProto.FLOAT else 0
+    return total
+
+
+def regions(ctx, costs: dict) -> list[Region]:
+    """Candidate regions of the painted plan (step 1)."""
+    forced = re.compile(ctx.options.fp16_nodes) if ctx.options.fp16_nodes else None
+    out: list[Region] = []
+    for g in ctx.root.walk():
+        _, pred = float_edges(ctx, g)
+        region_of: dict = {}
+        for n in g.nodes:
+            if id(n) not in ctx.lowered or (forced and forced.search(n.name)):
+                continue
+            up = [region_of[id(p)] for p in pred[id(n)] if id(p) in region_of]
+            if ops.op_class(n.op_type, n.domain) == "fp16" or not up:
+                r = Region(graph=g.key)
+                out.append(r)
+            else:
+                r = up[0]
+            r.nodes.append(n)
+            r.cost += costs.get(n.name, 0.0)
+            r.weight_bytes += _weight_bytes(ctx, g, n)
+            region_of[id(n)] = r
+    _fill_unknown_costs(out)
+    while len(out) > MAX_REGIONS:  # merge the cheapest pair of neighbours in one graph
+        pairs = [(out[i].cost + out[i + 1].cost, i) for i in range(len(out) - 1) if out[i].graph == out[i + 1].graph]
+        if not pairs:
+            break
+        _, i = min(pairs)
+        a, b = out[i], out.pop(i + 1)
+        a.nodes += b.nodes
+        a.cost += b.cost
+        a.weight_bytes += b.weight_bytes
+    return out
+
+
+def _fill_unknown_costs(regs: list[Region]):
+    """Regions whose FLOPs shape inference could not give (a body whose shapes it left
+    unknown: Silero VAD's If branches) get their weight bytes at the model's FLOPs per
+    weight byte, so that merging and prices do not treat them as free (merged as free,
+    one region held every conv of Silero's encoder and its STFT together)."""
+    known = [r for r in regs if r.cost and r.weight_bytes]
+    ratio = sum(r.cost for r in known) / sum(r.weight_bytes for r in known) if known else 1.0
+    for r in regs:
+        if not r.cost:
+            r.cost = float(r.weight_bytes * ratio or len(r.nodes))
