@@ -673,4 +673,11 @@ def test_cuda_state_stays_on_device_and_converges(cnn_path, tmp_path):
     assert all(v.device_name() == "cuda" for v in r.bufs[0].values())
     res = train(run, tm.bars(2048, seed=1), epochs=3, batch_size=32, eval_data=tm.bars(512, seed=2),
                 checkpoint_every=0, progress=False, providers=providers, resume=False)
-    assert res.summary["state_on_device"] and res.summary["eval"]["accuracy"] >= 0.9
+    # the same run on the CPU provider is the yardstick (this small CNN reaches ~0.87 after 3
+    # epochs on either: the 0.9 once asserted here had never met a GPU, and failed on an H100)
+    cpu_run = _run_dir(tmp_path, "cpu")
+    build_step(cnn_path, cpu_run, precision="mixed", lr=3e-3)
+    cpu = train(cpu_run, tm.bars(2048, seed=1), epochs=3, batch_size=32, eval_data=tm.bars(512, seed=2),
+                checkpoint_every=0, progress=False, providers=["CPUExecutionProvider"], resume=False)
+    acc, cpu_acc = res.summary["eval"]["accuracy"], cpu.summary["eval"]["accuracy"]
+    assert res.summary["state_on_device"] and acc >= 0.8 and abs(acc - cpu_acc) <= 0.03, (acc, cpu_acc)
