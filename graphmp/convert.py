@@ -142,7 +142,8 @@ def _search_line(s: dict) -> str:
     return (head + f"{met}{stopped}, error {num(s['error'])} x budget{held} (static plan "
             f"{num(s.get('error_static_plan'))}); floor {floor:.3g}; {len(s['fp32_regions'])} regions kept FP32 "
             f"({100 * (1 - s['static_plan_compute_kept_fp16']):.1f}% of the static plan's FP16 compute); "
-            + (f"{100 * s['model_compute_fp16']:.1f}% of the model's Conv/MatMul compute in FP16; "
+            + (f"{'~' if s.get('compute_share_approximate') else ''}{100 * s['model_compute_fp16']:.1f}% of the "
+               "model's Conv/MatMul compute in FP16; "
                if s.get("model_compute_fp16") is not None else "Conv/MatMul compute share unknown (no shapes); ")
             + f"{s['evaluations']} evaluations, {s['seconds']:.1f} s"
             + (f"\n  given back: {len(s['given_back'])} node(s) the range rule (|x| > --range-threshold) keeps FP32 "

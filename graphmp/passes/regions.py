@@ -48,11 +48,14 @@ def whole(regions) -> frozenset:
     return frozenset(u for k in regions for u in (2 * k, 2 * k + 1))
 
 
-def _node_costs(ctx, batch) -> dict:
-    """name -> FLOPs (Conv/MatMul/Gemm: multiply-adds x 2; other ops: output elements)
-    at the batch's concrete input shapes, for the nodes of every graph (If/Loop/Scan
-    bodies too: Silero VAD computes inside If branches), from shape inference with data
-    propagation (a Reshape to a computed shape keeps its dims); missing shapes -> 0."""
+def node_costs(ctx, batch) -> tuple[dict, bool]:
+    """({name: FLOPs}, approximate): FLOPs (Conv/MatMul/Gemm: multiply-adds x 2; other
+    ops: output elements) at the batch's concrete input shapes, for the nodes of every
+    graph (If/Loop/Scan bodies too: Silero VAD computes inside If branches), from shape
+    inference with data propagation (a Reshape to a computed shape keeps its dims).
+    Inside bodies inference often keeps the rank but loses a dim (batch, time): such a
+    dim counts as 1 and `approximate` is True (the nodes of one body share those dims,
+    so shares between them hold); a node without any shape gets no entry."""
     from ..io import iter_graphs, skeleton
     skel = skeleton(ctx.model)
     for v in skel.graph.input:
@@ -64,16 +67,24 @@ def _node_costs(ctx, batch) -> dict:
     try:
         skel = onnx.shape_inference.infer_shapes(skel, strict_mode=False, data_prop=True)
     except Exception:  # noqa: BLE001 - costs fall back on weight bytes
-        return {}
+        return {}, False
     shapes, nodes = {}, []
     for g in iter_graphs(skel.graph):
         for v in list(g.value_info) + list(g.output) + list(g.input):
-            dims = [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
-            if v.type.tensor_type.HasField("shape") and None not in dims:
-                shapes[v.name] = dims
+            if v.type.tensor_type.HasField("shape"):
+                shapes[v.name] = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+                                  for d in v.type.tensor_type.shape.dim]
         shapes.update({t.name: list(t.dims) for t in g.initializer})
         nodes += list(g.node)
-    return {n.name: c for n in nodes if (c := _flops(n, shapes)) is not None}
+    costs, approximate = {}, False
+    filled = {x: [d or 1 for d in dims] for x, dims in shapes.items()}
+    for n in nodes:
+        used = [shapes.get(x) for x in list(n.output[:1]) + list(n.input[:2])]
+        c = _flops(n, filled)
+        if c is not None:
+            costs[n.name] = c
+            approximate |= _is_compute(n) and any(None in d for d in used if d is not None)
+    return costs, approximate
 
 
 def _flops(n, shapes: dict) -> float | None:

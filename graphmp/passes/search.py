@@ -46,7 +46,7 @@ from ..budget import errors, measure
 from ..errors import GraphmpError
 from ..oracle import runner
 from . import PassResult
-from .regions import _is_compute, _node_costs, _weight_bytes, regions, whole
+from .regions import _is_compute, _weight_bytes, node_costs, regions, whole
 from .switchable import Switchable
 
 MAX_SEARCH_BATCHES = 4
@@ -211,9 +211,10 @@ def run(ctx) -> PassResult:
                            "--calibration DATA")
     batches, refs = _references(ctx)
     budget = ctx.search_budget = measure(ctx.model, batches, refs, opts.max_error, opts.metric, ctx.base_dir)
-    costs = _node_costs(ctx, batches[0])
+    costs, approximate = node_costs(ctx, batches[0])
     regs = regions(ctx, costs)
     details = {"budget": budget.to_dict(), "regions": len(regs), "batches": len(batches),
+               "compute_share_approximate": approximate,
                "generated_inputs": ctx.report.get("calibration", {}).get("source") == "generated inputs"}
     if details["generated_inputs"]:
         ctx.warn("--max-error on generated inputs: real data (--calibration) gives a budget that holds on real inputs")
