@@ -10,9 +10,9 @@
    Runtime CUDA:
    - "emulation" (default): graphmp.emulate, FP16 storage with FP32 math on ONNX
      Runtime (what Tensor Cores do; the same measure --max-error uses), fast at any size;
-   - "reference": onnx.reference, each op in FP16 numpy (ops onnx defines by a function
-     body, e.g. HardSwish, round after every step of it; slow on large activations: see
-     graphmp.emulate for how the two differ). It is trusted only where it reproduces ONNX
+   - "reference": onnx.reference with graphmp's ideal-kernel overrides (graphmp.oracle):
+     each FP16 op computed in float64 from its FP16 inputs and rounded once, as an ideal
+     kernel stores it; slow on large activations. It is trusted only where it reproduces ONNX
      Runtime on the FP32 source; where it does not, or cannot run, the emulation judges
      and the report says so. ONNX Runtime CPU itself never judges: it computes most FP16
      ops in FP32 and hides overflow.
@@ -38,7 +38,7 @@ from .oracle import cuda_available, run_reference, runner
 
 ORACLES = ("emulation", "reference")
 EMULATION = "FP16-faithful emulation on ONNX Runtime (FP16 storage, FP32 math)"
-REFERENCE = "onnx.reference (FP16-faithful: every op in FP16 arithmetic)"
+REFERENCE = "onnx.reference as an ideal kernel (each FP16 op in float64, rounded once)"
 
 
 def compare(ref: np.ndarray, got: np.ndarray, atol: float | None = None, rtol: float | None = None, *,

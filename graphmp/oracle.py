@@ -1,13 +1,23 @@
-"""Running models: ONNX Runtime (CPU, or CUDA when present) and an FP16-faithful oracle.
+"""Running models: ONNX Runtime (CPU, or CUDA when present) and the reference oracle.
 
 ONNX Runtime's CPU provider computes almost every FP16 op in FP32 and removes the
 model's own round trips, so an FP16 overflow never shows there. `run_reference`
-uses onnx.reference.ReferenceEvaluator, which computes each op in the dtype the graph
-declares (as a GPU does), with two overrides where it departs from the spec:
-BatchNormalization always runs in inference mode (the reference runs opset 9-13 BN in
-training mode when the legacy `momentum` attribute is present), and Loop (both in
-graphmp.reference_ops); ONNX Runtime's fused com.microsoft ops of `--fuse ort` models
-run with graphmp.fused_ops.
+(`--oracle reference`) runs onnx.reference.ReferenceEvaluator with graphmp's op
+overrides (graphmp.reference_ops) and models ideal FP16/BF16 kernels: tensors are
+stored in their declared type, and each arithmetic op that reads an FP16/BF16 input
+(reference_ops.IDEAL_OPS, Erf, Gelu, BatchNormalization) computes in float64 and rounds
+each output once to its declared type: the exact result rounded once, with overflow to
+inf and underflow at op boundaries, never inside an op. Ops not listed there run in
+numpy in their declared type: those graphmp may lower to FP16 are exact in any type
+(data movement, Cast, comparisons, Relu/Clip/Max/Min, MaxPool, ...), except Range (its
+element count depends on the type). FP32 ops compute as plain onnx.reference has them
+(BatchNormalization, Erf and Gelu: in float64, rounded to FP32). Plain onnx.reference
+computes FP16 ops step by step in FP16 numpy instead (see graphmp.reference_ops for what
+that does to Softmax, LayerNormalization, ReduceMean). The emulation (graphmp.emulate)
+models the same kernels with FP32 math on ONNX Runtime.
+Overrides where onnx.reference departs from the spec: BatchNormalization always in
+inference mode, and Loop (graphmp.reference_ops); ONNX Runtime's fused com.microsoft
+ops of `--fuse ort` models run with graphmp.fused_ops (FP32 math, outputs rounded once).
 `runner(model)` wraps one ONNX Runtime session as a function of the feeds.
 """
 from __future__ import annotations
@@ -66,7 +76,8 @@ def run_ort(model, feeds: dict, providers=None) -> dict:
 
 
 def run_reference(model, feeds: dict) -> dict:
-    """Outputs by name with every op computed in its declared dtype (FP16-faithful)."""
+    """Outputs by name, each tensor in its declared type and each op an ideal kernel
+    (float64 math, outputs rounded once: see the module docstring)."""
     from onnx.reference import ReferenceEvaluator
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(os.fspath(model))

@@ -65,8 +65,8 @@ def test_overflow_seen_where_ort_cpu_hides_it():
 @pytest.mark.parametrize("name, shapes", [("mnist_cntk", None), ("ppocrv4_det", "x:1x3x64x96"),
                                           ("silero_vad", None), ("fastestdet", None)])
 def test_error_agrees_with_the_reference_evaluator(name, shapes):
-    """Both are FP16-faithful; they differ only in accumulation (FP32 here, FP16 numpy
-    there), so their error against FP32 is the same order: within 3x."""
+    """Both are FP16-faithful: FP32 math rounded once here, float64 math rounded once by
+    the ideal-kernel reference; their error against FP32 is the same order: within 3x."""
     path = os.path.join(ROOT, "models", "real", name + ".onnx")
     src = onnx.load(path)
     run32 = runner(path)

@@ -242,7 +242,7 @@ def test_tiny_error_no_worse_than_ort_float16(tiny):
     assert ours_or <= theirs_or + FLOOR, (name, ours_or, theirs_or)
     assert ours_or < 5e-2, (name, ours_or)
     if name in ("bert", "bert-ts"):  # where graphmp's FP32 residual stream shows: clearly better
-        assert ours_ort < 0.6 * theirs_ort and ours_or < 0.6 * theirs_or, (name, ours_ort, theirs_ort, ours_or, theirs_or)
+        assert ours_ort < 0.6 * theirs_ort and ours_or < 0.7 * theirs_or, (name, ours_ort, theirs_ort, ours_or, theirs_or)
 
 
 @needs_sympy
