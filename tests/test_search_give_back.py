@@ -4,13 +4,14 @@ FP16 and stay there when the measured error allows ("given back"); up to 16x hea
 below FP16's max (classify.GIVE_BACK_RANGE); beyond it the rule stays a hard one."""
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
 import graphmp
 from graphmp.cli import main
 from graphmp.emulate import emulated_runner
-from graphmp.oracle import runner
+from graphmp.oracle import cuda_available, runner
 from graphmp.passes.classify import GIVE_BACK_RANGE
 
 
@@ -97,3 +98,18 @@ def test_search_time_keeps_the_best_plan_so_far_and_says_so():
     # and the written model's error is the verdict
     assert s["verified"]["normalized"] == s["error"] and s["reached"] == (s["error"] <= 1)
     assert {"wide", "head_p", "head_q"} <= set(rep.fp32_nodes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs onnxruntime-gpu and a CUDA GPU")
+def test_the_written_model_is_also_measured_on_ort_cuda():
+    src = _mlp(700, cancel=True)
+    s = graphmp.convert(src, None, max_error="1e-2")["search"]
+    v = s["verified_ort_cuda"]
+    assert set(v["errors"]) == {"y"} and v["normalized"] == pytest.approx(v["errors"]["y"] / s["budget"]["allowed"]["y"])
+
+
+def test_no_cuda_row_without_a_gpu():
+    if cuda_available():
+        pytest.skip("a GPU is present")
+    assert "verified_ort_cuda" not in graphmp.convert(_mlp(700), None, max_error="1e-2")["search"]
