@@ -29,7 +29,7 @@ class Options:
     max_error: object = None            # --max-error: a number, "tf32" or "floor[:K]"
     metric: str = "max-rel"             # --metric: max-rel, max-abs or argmax
     strict: bool = False                # --strict: a budget not met is a failure
-    plan: object = None                 # --plan: a saved plan (path; loaded and checked here), no search
+    plan: object = None                 # --plan: a saved plan (path; convert() loads and checks it), no search
     save_plan: str | None = None        # --save-plan: write the precisions decided as a plan file
     search_time: float | None = None    # --search-time: seconds the --max-error search may take
     validate: bool = False
@@ -83,9 +83,6 @@ class Options:
             if o.calibration == "off":
                 raise GraphmpError("--max-error measures the error on calibration batches: it cannot run with "
                                    "--no-calibration (pass --calibration DATA, or nothing for generated inputs)")
-        if o.plan is not None:
-            from .passes.plan_file import load
-            o.plan = load(o.plan)
         return o
 
     @property

@@ -217,6 +217,8 @@ def convert(src, dst=None, **options) -> ConvertReport:
     """
     t0 = time.perf_counter()
     opts = Options.from_kwargs(options)
+    if opts.plan is not None:  # checked before any work (passes/plan_file.py)
+        opts.plan = plan_file.load(opts.plan)
     model, path, base_dir = open_model(src, dst, by_reference=True)
     t_load = time.perf_counter() - t0
     _check_op_names(opts.fp32_ops, model, path, fused=opts.fuse is not None)
