@@ -717,14 +717,8 @@ def machine_info() -> dict:
 
 # --------------------------------------------------------------------------- orchestration
 def default_models() -> list[str]:
-    found = sorted(glob.glob(str(REPO / "models" / "real" / "*.onnx"))) + \
+    return sorted(glob.glob(str(REPO / "models" / "real" / "*.onnx"))) + \
         sorted(glob.glob(str(REPO / "models" / "tiny" / "*.onnx")))
-    if not found:
-        for d in (REPO / "shared" / "corpus" / "models", REPO.parent / "shared" / "corpus" / "models"):
-            found = sorted(glob.glob(str(d / "*.onnx")))
-            if found:
-                break
-    return found
 
 
 def model_key(path: str, seen: set) -> str:
@@ -993,7 +987,7 @@ def main(argv=None):
         if m not in models:
             models.append(m)
     if not models:
-        ap.error("no models found (models/real, models/tiny, shared corpus) and none given")
+        ap.error("no models found (models/real, models/tiny) and none given")
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)

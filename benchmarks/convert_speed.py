@@ -14,7 +14,7 @@ the ratio graphmp / occ is what to read (both ran on the same machine, minutes a
 
 Models are synthetic with the layout and size of real exports (benchmarks/synth.py:
 BERT-base, GPT-2 with a tied head, ResNet-50), plus the 640 px face detector and the
-720 px style-transfer net from ../shared/corpus when present.
+720 px style-transfer net committed in models/real.
 
 Also measured:
 - start-up: `graphmp --help` (no onnx imported), `import onnx, onnxruntime` (what any
@@ -43,7 +43,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import synth  # noqa: E402
 
-SHARED = REPO.parent / "shared" / "corpus" / "models"
+REAL = REPO / "models" / "real"
 OCC = """
 import sys, onnx
 from onnxconverter_common.float16 import convert_float_to_float16
@@ -180,8 +180,8 @@ def models(args, work: Path) -> list:
             make(str(p))
         out.append((name, str(p)))
     for name, file in (("ultraface-640", "ultraface_rfb640.onnx"), ("style-mosaic-720", "style_mosaic.onnx")):
-        if (SHARED / file).exists() and (not args.models or name in args.models):
-            out.append((name, str(SHARED / file)))
+        if (REAL / file).exists() and (not args.models or name in args.models):
+            out.append((name, str(REAL / file)))
     return out
 
 

@@ -6,10 +6,9 @@
 #
 # 1. Installs the GPU extra from the wheels it is given, into $GRAPHMP_GPU_SITE
 #    (default /tmp/graphmp-gpu-site), PREPENDED to PYTHONPATH (nothing in site-packages changes):
-#    - onnxruntime-gpu in five parts .ortgpu1/ .. .ortgpu5/ in the repo root (or in
-#      $GRAPHMP_ORTGPU_DIR; made by
-#      ../shared/tools/ortgpu-parts.sh; .ortgpu5/NAME is the wheel's file name): joined, checked
-#      as a zip, installed;
+#    - onnxruntime-gpu in N parts .ortgpu1/part.0 .. .ortgpuN/part.<N-1> in the repo root (or
+#      in $GRAPHMP_ORTGPU_DIR; made by benchmarks/ortgpu_parts.sh, N = 5 by default;
+#      .ortgpuN/NAME is the wheel's file name and says N): joined, checked as a zip, installed;
 #    - every wheel in $GRAPHMP_WHEELS (default .whl/), e.g. tensorrt's, installed alike.
 #    The CUDA/cuDNN libraries of pip's nvidia-* packages (torch's) go on LD_LIBRARY_PATH for
 #    onnxruntime-gpu's CUDA provider.
@@ -36,18 +35,26 @@ if [[ $DRY == 0 ]]; then
   WHEELDIR=$(mktemp -d)
   PARTS=${GRAPHMP_ORTGPU_DIR:-$REPO}
   wheels=()
-  if [[ -f $PARTS/.ortgpu5/NAME ]]; then
-    name=$(tr -d '[:space:]' < "$PARTS/.ortgpu5/NAME")
-    for i in 1 2 3 4 5; do
+  # N = the number of the folder holding NAME; the lowest one when several do (a stale
+  # .ortgpuK/NAME of an earlier split into more parts may be left over).
+  nparts=0
+  for d in "$PARTS"/.ortgpu*/; do
+    k=$(basename "$d")
+    k=${k#.ortgpu}
+    if [[ $k =~ ^[1-9][0-9]*$ && -f $PARTS/.ortgpu$k/NAME ]] && ((nparts == 0 || k < nparts)); then nparts=$k; fi
+  done
+  if ((nparts)); then
+    name=$(tr -d '[:space:]' < "$PARTS/.ortgpu$nparts/NAME")
+    for ((i = 1; i <= nparts; i++)); do
       part=$PARTS/.ortgpu$i/part.$((i - 1))
       if [[ ! -f $part ]]; then
-        echo "gpu_check: $part is missing: the onnxruntime-gpu wheel comes in five parts .ortgpu1..5 (ortgpu-parts.sh)" >&2
+        echo "gpu_check: $part is missing: the onnxruntime-gpu wheel comes in $nparts parts .ortgpu1..$nparts (benchmarks/ortgpu_parts.sh)" >&2
         exit 2
       fi
       cat "$part" >> "$WHEELDIR/$name"
     done
     if ! "$PY" -c 'import sys, zipfile; sys.exit(zipfile.ZipFile(sys.argv[1]).testzip() is not None)' "$WHEELDIR/$name"; then
-      echo "gpu_check: the joined parts do not make a valid wheel ($name): send all five again" >&2
+      echo "gpu_check: the joined parts do not make a valid wheel ($name): send all $nparts again" >&2
       exit 2
     fi
     wheels+=("$WHEELDIR/$name")
@@ -59,7 +66,7 @@ if [[ $DRY == 0 ]]; then
     echo "gpu_check: installing ${wheels[*]##*/} into $SITE"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
   else
-    echo "gpu_check: no wheels given (.ortgpu1..5, ${GRAPHMP_WHEELS:-.whl}/*.whl): using the installed onnxruntime"
+    echo "gpu_check: no wheels given (.ortgpu1..N, ${GRAPHMP_WHEELS:-.whl}/*.whl): using the installed onnxruntime"
   fi
   rm -rf "$WHEELDIR"
   export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"

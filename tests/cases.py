@@ -1,6 +1,6 @@
 """FP32 models that reproduce the failure modes of FP16 converters.
 
-One builder per row of /work/shared/FAILURE_MODES.md: ``case_NN_short_name()``.
+One builder per case of docs/failure_modes.md: ``case_NN_short_name()``.
 Every builder returns a valid FP32 ONNX model (opset 17, IR 8 unless said otherwise),
 small enough for ``onnx.reference.ReferenceEvaluator``. A builder returns either
 

@@ -119,7 +119,7 @@ def test_user_data_that_fails_in_ort_is_an_error(tmp_path):
 
 
 def test_custom_op_model_converts_without_ranges_and_says_so():
-    """FAILURE_MODES #9: ONNX Runtime cannot load a custom op here; the conversion goes on
+    """docs/failure_modes.md #9: ONNX Runtime cannot load a custom op here; the conversion goes on
     with the types it can prove, and the report says calibration was skipped and why."""
     import sys
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""One test (or a few) per row of /work/shared/FAILURE_MODES.md.
+"""One test (or a few) per case of docs/failure_modes.md.
 
 For every case (models in tests/cases.py) the converted model must
   * pass ``onnx.checker.check_model(full_check=True)`` and, where the case has no

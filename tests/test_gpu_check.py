@@ -76,15 +76,16 @@ def _wheel(path):
                    "fakeortgpu-0.1.dist-info/WHEEL,,\nfakeortgpu-0.1.dist-info/RECORD,,\n")
 
 
-def _parts(src, dest):
-    """The five-part layout of ortgpu-parts.sh: .ortgpu1/part.0 .. .ortgpu5/part.4, .ortgpu5/NAME."""
+def _parts(src, dest, n=5):
+    """The layout of benchmarks/ortgpu_parts.sh --parts n (default 5): .ortgpu1/part.0 ..
+    .ortgpu<n>/part.<n-1>, and .ortgpu<n>/NAME."""
     data = src.read_bytes()
-    k = -(-len(data) // 5)
-    for i in range(5):
+    k = -(-len(data) // n)
+    for i in range(n):
         d = dest / f".ortgpu{i + 1}"
         d.mkdir(parents=True)
         (d / f"part.{i}").write_bytes(data[i * k:(i + 1) * k])
-    (dest / ".ortgpu5" / "NAME").write_text(src.name + "\n")
+    (dest / f".ortgpu{n}" / "NAME").write_text(src.name + "\n")
 
 
 def test_gpu_mode_joins_and_installs_the_parts_then_refuses_without_cuda(tmp_path):
@@ -103,6 +104,23 @@ def test_gpu_mode_joins_and_installs_the_parts_then_refuses_without_cuda(tmp_pat
     (tmp_path / "parts" / ".ortgpu3" / "part.2").unlink()
     p = _run(["--out", str(tmp_path / "out")], env)
     assert p.returncode == 2 and ".ortgpu3/part.2 is missing" in p.stderr
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_gpu_mode_joins_any_number_of_parts(tmp_path, n):
+    """N comes from the folder holding NAME; a stale .ortgpuK/NAME of an earlier, longer split
+    (K > N) is ignored."""
+    wheel = tmp_path / "fakeortgpu-0.1-py3-none-any.whl"
+    _wheel(wheel)
+    _parts(wheel, tmp_path / "parts", n)
+    stale = tmp_path / "parts" / f".ortgpu{n + 2}"
+    stale.mkdir()
+    (stale / "NAME").write_text("stale.whl\n")
+    env = {"GRAPHMP_ORTGPU_DIR": str(tmp_path / "parts"), "GRAPHMP_GPU_SITE": str(tmp_path / "site"),
+           "GRAPHMP_WHEELS": str(tmp_path / "none")}
+    p = _run(["--out", str(tmp_path / "out")], env)
+    assert (tmp_path / "site" / "fakeortgpu" / "__init__.py").read_text() == "VALUE = 42\n", p.stdout + p.stderr
+    assert p.returncode == 2 and "has no CUDAExecutionProvider" in p.stderr, p.stdout + p.stderr
 
 
 def test_output_metrics_are_normalised():

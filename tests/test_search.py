@@ -134,9 +134,8 @@ def test_search_beats_the_naive_cut_on_a_detector():
         captured["s"] = self
         return real_select(self, which, start)
     search._Search.select = spy
-    table = documents.table_page(160, 256)  # the shared screenshot, where it is next to the repo
     cal = [{"x": documents.pages(1, 160, 256, seed=0)},
-           {"x": table if table is not None else documents.pages(1, 160, 256, seed=1)}]
+           {"x": documents.table_page(160, 256)}]  # a spreadsheet-like table drawn in code
     try:
         rep = graphmp.convert(path, None, calibration=cal, max_error=2e-2)["search"]
     finally:
