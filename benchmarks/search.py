@@ -1,11 +1,15 @@
 #!/usr/bin/env python
 """Accuracy budget vs peers: graphmp's --max-error search against the peers' own ways of
-keeping a mixed FP16 model accurate, on the same OCR models and the same inputs, in one run.
+keeping a mixed FP16 model accurate, on the same models (OCR, vision, audio, bytes) and the
+same inputs, in one run; also graphmp's search before/after a change (--graphmp-root, and
+benchmarks/search_compare.py for the table).
 
 Tools (--tools) and the rows they give:
   graphmp         graphmp.convert(src, dst, calibration=CAL): the static rules only
-  graphmp-budget  graphmp.convert(src, dst, calibration=CAL, max_error=E), and a second
-                  row with max_error="tf32" (the error TF32 Conv/MatMul already have)
+  graphmp-budget  graphmp.convert(src, dst, calibration=CAL, max_error=E), a second row
+                  with max_error="tf32" (the error TF32 Conv/MatMul already have) and a
+                  third with max_error="auto" (the yardstick: max(1e-2, 2 x the TF32 error,
+                  2 x the FP16-input floor) per output)
   occ-amp         onnxconverter_common.auto_mixed_precision.auto_convert_mixed_precision(
                   model, feed, validate_fn, keep_io_types=True): its bisection over node
                   lists, validated on ONNX Runtime CPU with max|a-b|/max|ref| <= E per output;
@@ -16,9 +20,17 @@ Tools (--tools) and the rows they give:
 CAL is the same list of .npz batches for every tool. E is per model (MODELS, --max-error).
 
 Models (MODELS below): OCR detectors and recognizers, fed document-like pages and text
-lines from models/documents.py with each package's own preprocessing; the ones not in
-the repo are taken from their wheels (pip download, cached in models/build/). Every model
-also gets held-out inputs of another size that no tool saw.
+lines from models/documents.py with each package's own preprocessing, and other families
+(face/object detectors, style transfer, super-resolution, VAD, pitch, a byte classifier,
+captcha OCR) each fed by its data kind (DATA_KINDS: real photos from $GRAPHMP_SAMPLES
+when present, synthetic audio, real files' bytes, ...). The ones not in the repo are taken
+from their wheels (pip download, cached in models/build/). Every model also gets held-out
+inputs that no tool saw, of another size where the model's input shape allows one.
+
+--graphmp-root PATH: the graphmp and graphmp-budget conversions import graphmp from
+PATH/graphmp (their child processes get PYTHONPATH=PATH, which this script puts ahead of
+its own checkout); the reference, the evaluation and the structure pass always use this
+checkout's graphmp, so two runs (before/after a change) are measured the same way.
 
 Per row, every step in a fresh subprocess (a crash, hang or timeout is the row's result):
   convert    wall time of load + convert + save, imports excluded (`time_s`), as
@@ -35,14 +47,15 @@ Per row, every step in a fresh subprocess (a crash, hang or timeout is the row's
              of the first calibration batch: Conv/ConvTranspose/MatMul/Gemm nodes FP16
              (output FLOAT16) or FP32, their FLOPs and the FP16 share (`flops`), float
              weight bytes (initializers and Constant values) FP32 and FP16
-  search     graphmp-budget rows: the report's "search" section
+  search     graphmp-budget rows: the report's "search" section (fp32_regions and
+             given_back as counts, given_back null when the graphmp has no such key)
 
 Usage:
   python benchmarks/search.py [--models ppocrv4_det,ppocrv4_rec,...]
                               [--tools graphmp,graphmp-budget,occ-amp,autocast]
                               [--json benchmarks/results/search.json] [--max-error E]
                               [--occ-timeout 1800] [--convert-timeout 1800]
-                              [--autocast-python PATH] [--keep DIR]
+                              [--autocast-python PATH] [--keep DIR] [--graphmp-root PATH]
 
 JSON (schema_version 1; inf/NaN written as strings, as in convert.json):
   {"schema": "graphmp-search-benchmark", "schema_version": 1, "command": str, "cwd": str,
@@ -50,10 +63,12 @@ JSON (schema_version 1; inf/NaN written as strings, as in convert.json):
    "machine": {...},                               # as benchmarks/convert.py
    "tools": {"graphmp"|"occ"|"autocast": {"ok", "version", "error", ...}},
    "settings": {"tools": [..], "metric": "max-rel", "reference": str, "emulation": str,
-                "occ_timeout_s": float, "convert_timeout_s": float},
+                "occ_timeout_s": float, "convert_timeout_s": float, "graphmp_root": str|null},
+   "load": {"start": [1, 5, 15 min], "end": [...]},           # os.getloadavg()
    "models": [{"model": str, "status": "ok"|"not available: <why>", "path": str|null,
                "source": str, "license": str, "arch": str, "max_error": float,
-               "preprocessing": str,
+               "data": str, "preprocessing": str, "data_source": str,
+               "data_digest": str,                 # sha256 of every batch's arrays
                "calibration": [{input: [dims]}], "held_out": [{input: [dims]}],
                "occ_feed": {input: [dims]},
                "source_stats": STRUCTURE, "reference_error": str|null,
@@ -62,6 +77,7 @@ JSON (schema_version 1; inf/NaN written as strings, as in convert.json):
          "status": "ok"|"failed"|"crashed"|"timeout"|"not available: <why>"|"harness-error",
          "error": str|null, "traceback"|"stderr_tail": str (failures only),
          "convert": {"time_s", "wall_s", "import_s", "peak_rss_bytes", "attempts" (occ-amp)},
+         "graphmp_file": str, "graphmp_version": str,          # graphmp rows: what was imported
          "checker": {"ok": bool, "error": str|null}, "ort_load": {"ok": bool, "error": str|null},
          "errors": {"calibration": {output: float}, "held_out": {output: float},
                     "ort_cpu_calibration": {output: float}, "calibration_max": float,
@@ -69,8 +85,9 @@ JSON (schema_version 1; inf/NaN written as strings, as in convert.json):
          "structure": STRUCTURE,
          "search": {"evaluations", "seconds", "reached", "error", "held_out_error",
                     "error_static_plan", "static_plan_compute_kept_fp16", "model_compute_fp16",
-                    "refit_on_all_batches", "regions", "fp32_regions",
-                    "budget": {"spec", "metric", "allowed", "floor", "tf32"}, "verified"},
+                    "refit_on_all_batches", "regions", "fp32_regions" (count),
+                    "given_back" (count|null), "given_back_nodes" (first 20),
+                    "budget": {"spec", "metric", "allowed", "floor", "tf32"}, "verified", ...},
          "graphmp": {"nodes", "fp32_by_reason", "warnings", "seconds"}}   # graphmp rows
   STRUCTURE = {"nodes": int, "casts": int,
                "compute_nodes": {"fp16": int, "fp32": int, "other": int},
@@ -95,7 +112,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path[:0] = [str(HERE), str(REPO), str(REPO / "models")]  # convert.py's helpers; graphmp; documents, corpus
+# PYTHONPATH first (--graphmp-root hands the conversion children another checkout's graphmp
+# that way), then convert.py's helpers, this checkout's graphmp, documents and corpus
+sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [
+    str(HERE), str(REPO), str(REPO / "models")]
 
 from convert import (DEFAULT_AUTOCAST_PY, _clean_floats, _emit, _err, _json_default, _load_npz,  # noqa: E402
                      _vmhwm, machine_info, record_failure, run_child, tool_availability)
@@ -109,9 +129,8 @@ IMAGENET = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 
 # name -> where the model comes from and how it is fed. "repo": a committed file;
 # "package"/"member": a wheel on the package index (cached as models/build/<name>.onnx,
-# the name models/corpus.py uses). data: "det" = pages (calibration: a 224x512 page and
-# the table screenshot; held out: a 320x480 page), "rec" = text lines (calibration: two
-# 48x320 lines, one per batch; held out: a 48x480 line). norm: the package's detector
+# the name models/corpus.py uses). data: the data kind (DATA_KINDS below: what the inputs
+# are, calibration batches and held-out batches). norm ("det" only): the package's detector
 # normalisation ("half": (x/255 - 0.5) / 0.5, "imagenet": ImageNet mean/std on BGR).
 MODELS = {
     "ppocrv4_det": {
@@ -139,12 +158,86 @@ MODELS = {
         "member": "rapidocr/models/PP-OCRv6_rec_small.onnx",
         "arch": "PP-OCRv6 small text recognizer, 18710 classes", "max_error": 1e-2,
     },
+    "ppocr_mobile_v2_cls": {
+        "repo": "models/real/ppocr_mobile_v2_cls.onnx", "license": "Apache-2.0", "data": "cls",
+        "source": "rapidocr-onnxruntime==1.4.4:rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
+        "arch": "PP-OCR mobile v2 text-direction classifier (0/180 degrees; un-fused BatchNorm)", "max_error": 1e-2,
+    },
+    "ddddocr_ocr": {
+        "package": "ddddocr==1.6.1", "license": "MIT", "data": "captcha", "member": "ddddocr/common.onnx",
+        "arch": "ddddocr CTC text recognizer (1x1x64xW grayscale, dynamic width)", "max_error": 1e-2,
+    },
+    "ddddocr_det": {
+        "package": "ddddocr==1.6.1", "license": "MIT", "data": "yolox", "member": "ddddocr/common_det.onnx",
+        "arch": "ddddocr YOLOX-style text/character detector (static 416x416, Resize)", "max_error": 1e-2,
+    },
+    "ultraface_rfb640": {
+        "repo": "models/real/ultraface_rfb640.onnx", "license": "MIT", "data": "face",
+        "source": "Linzaer/Ultra-Light-Fast-Generic-Face-Detector-1MB@dffdddda: models/onnx/version-RFB-640.onnx",
+        "arch": "UltraFace RFB-640 face detector (opset 9, BatchNorm, initializers also graph inputs)",
+        "max_error": 1e-2,
+    },
+    "fastestdet": {
+        "repo": "models/real/fastestdet.onnx", "license": "MIT", "data": "bgr01",
+        "source": "microsoft/onnxruntime-extensions@319f8d2c: test/data/ppp_vision/FastestDet.onnx",
+        "arch": "FastestDet ShuffleNetV2 object detector (depthwise convs, Resize, Softmax), 352x352",
+        "max_error": 1e-2,
+    },
+    "style_mosaic": {
+        "repo": "models/real/style_mosaic.onnx", "license": "MIT", "data": "style",
+        "source": "microsoft/Windows-Machine-Learning@155b5eeb: Samples/StyleTransfer/Assets/mosaic.onnx",
+        "arch": "fast neural style 'mosaic' (encoder/residual/decoder, InstanceNorm, reflect Pad), 720x720",
+        "max_error": 1e-2,
+    },
+    "super_resolution": {
+        "repo": "models/real/super_resolution.onnx", "license": "MIT", "data": "luma",
+        "source": "microsoft/onnxruntime-extensions@319f8d2c: test/data/ppp_vision/pytorch_super_resolution.onnx",
+        "arch": "PyTorch super-resolution example (4 Conv, DepthToSpace x3), 224x224 luma", "max_error": 1e-2,
+    },
+    "mnist_cntk": {
+        "repo": "models/real/mnist_cntk.onnx", "license": "MIT", "data": "digits",
+        "source": "microsoft/Windows-Machine-Learning@155b5eeb: SharedContent/models/mnist.onnx",
+        "arch": "MNIST CNN (CNTK, 2 Conv + MatMul), 1x1x28x28", "max_error": 1e-2,
+    },
+    "silero_vad": {
+        "repo": "models/real/silero_vad.onnx", "license": "MIT", "data": "vad",
+        "source": "silero-vad==6.2.3:silero_vad/data/silero_vad.onnx",
+        "arch": "Silero VAD v5/6 (STFT by Conv, LSTM in nested If branches, state in/out)", "max_error": 1e-2,
+    },
+    "basic_pitch_nmp": {
+        "repo": "models/real/basic_pitch_nmp.onnx", "license": "Apache-2.0", "data": "music",
+        "source": "basic-pitch==0.4.0:basic_pitch/saved_models/icassp_2022/nmp.onnx",
+        "arch": "Basic Pitch note/onset/contour model (tf2onnx, CQT front end in the graph, NHWC)",
+        "max_error": 1e-2,
+    },
+    "magika": {
+        "package": "magika==1.0.3", "license": "Apache-2.0", "data": "bytes",
+        "member": "magika/models/standard_v3_3/model.onnx",
+        "arch": "Magika standard_v3_3 file-type classifier (jax2tf; one-hot bytes, LayerNorm as E[x^2]-E[x]^2)",
+        "max_error": 1e-2,
+    },
 }
-DEFAULT_MODELS = ("ppocrv4_det", "ppocrv4_rec", "ppocrv3_det", "ppocrv6_det_small", "ppocrv6_rec_small")
+DEFAULT_MODELS = tuple(MODELS)
+# data kind -> what the batches are (the JSON's "preprocessing"); "det" is keyed by norm
 PREPROCESSING = {
-    "half": "BGR / 255, (x - 0.5) / 0.5 (RapidOCR det)",
-    "imagenet": "BGR / 255, (x - mean) / std with ImageNet mean/std (RapidOCR 1.2 PP-OCRv3 det)",
-    "rec": "RGB / 255, (x - 0.5) / 0.5 (PP-OCR rec)",
+    "half": "document pages; BGR / 255, (x - 0.5) / 0.5 (RapidOCR det)",
+    "imagenet": "document pages; BGR / 255, (x - mean) / std with ImageNet mean/std (RapidOCR 1.2 PP-OCRv3 det)",
+    "rec": "text lines; RGB / 255, (x - 0.5) / 0.5 (PP-OCR rec)",
+    "cls": "text lines 48x192, upright and turned 180 degrees; RGB / 255, (x - 0.5) / 0.5 (PP-OCR cls)",
+    "captcha": "text lines as grayscale, height 64, / 255 (ddddocr's OCR preprocessing)",
+    "yolox": "document pages letterboxed to 416x416 (pad 114), BGR 0..255 floats (ddddocr's detector preproc)",
+    "face": "photos resized to 640x480, RGB, (x - 127) / 128 (UltraFace)",
+    "bgr01": "photos resized to 352x352, BGR / 255 (FastestDet)",
+    "style": "photos resized to 720x720, BGR 0..255 (the model's ImageScaler subtracts the BGR means)",
+    "luma": "photos resized to 224x224, Y of YCbCr / 255 (PyTorch super-resolution example)",
+    "digits": "a digit drawn white on black with Pillow's font, 28x28, 0..255",
+    "vad": "synthetic voiced speech at 16 kHz (harmonics of a gliding F0 under 3 formants, syllable "
+           "envelope, noise); 64 context + 512 samples per frame, sr = 16000, state zeros or carried "
+           "over the preceding frames by the FP32 model",
+    "music": "synthetic music at 22050 Hz (decaying harmonic notes and chords, MIDI 45-84), 43844 samples",
+    "bytes": "real files' bytes as Magika's features: first 1024 bytes (lstripped) and last 1024 (rstripped), "
+             "padded with 256, int32",
+    "gen": "N(0,1) floats, integer inputs 0, symbolic dims 1 (first) / 16",
 }
 
 
@@ -174,22 +267,257 @@ def _renormalize(x, norm: str):
     return (((x * 0.5 + 0.5) - mean) / std).astype(np.float32)
 
 
-def make_data(name: str, input_name: str) -> tuple[list, list]:
-    """(calibration batches, held-out batches) for the model, as lists of feed dicts."""
+def _to_uint8_rgb(x, bgr: bool):
+    """documents' normalised [1, 3, H, W] back to uint8 RGB [H, W, 3]."""
+    import numpy as np
+    img = np.clip(np.rint((x[0] * 0.5 + 0.5) * 255.0), 0, 255).astype(np.uint8).transpose(1, 2, 0)
+    return img[..., ::-1] if bgr else img
+
+
+def _samples() -> Path:
+    """The sample photos' folder: documents.SAMPLES ($GRAPHMP_SAMPLES, else models/samples;
+    the results in benchmarks/README.md used four public photos: satya, kimono, wolves and
+    goldfish from onnxruntime's example repos), SHARED before it."""
+    import documents
+    return Path(getattr(documents, "SAMPLES", None) or documents.SHARED)
+
+
+def _photos(names, width: int, height: int, sources: list):
+    """uint8 RGB [H, W, 3] per name: <samples>/<name>.jpg resized (of the corpus photos,
+    satya and kimono show faces, wolves and goldfish not), or (when the photos or Pillow
+    are missing) a synthetic document page; `sources` says which."""
+    import numpy as np
+    import documents
+    out = []
+    for i, n in enumerate(names):
+        path = _samples() / f"{n}.jpg"
+        try:
+            from PIL import Image
+            out.append(np.asarray(Image.open(path).convert("RGB").resize((width, height))))
+            sources.append(f"{n}.jpg")
+        except (ImportError, OSError):
+            out.append(_to_uint8_rgb(documents.pages(1, height, width, seed=100 + i), bgr=True))
+            sources.append(f"synthetic page (no {path.name})")
+    return out
+
+
+def _speech(n: int, sr: int, rng):
+    """Voiced-speech-like audio: harmonics of a gliding F0 shaped by three formants, a
+    syllable envelope and a little noise, peak about 0.3."""
+    import numpy as np
+    t = np.arange(n) / sr
+    f0 = rng.uniform(100, 180) * (1 + 0.08 * np.sin(2 * np.pi * rng.uniform(0.5, 2) * t))
+    phase = 2 * np.pi * np.cumsum(f0) / sr
+    formants = rng.uniform([500, 1000, 2300], [800, 1500, 2900])
+    sig = np.zeros(n)
+    for k in range(1, int(4000 / f0.max()) + 1):
+        fk = k * f0.mean()
+        sig += (sum(np.exp(-((fk - f) / 150.0) ** 2) for f in formants) + 0.05) / k * np.sin(k * phase)
+    env = 0.5 * (1 - np.cos(2 * np.pi * rng.uniform(3, 5) * t))
+    x = sig * env
+    x = 0.3 * x / np.abs(x).max() + 0.003 * rng.standard_normal(n)
+    return x.astype(np.float32)
+
+
+def _music(n: int, sr: int, rng):
+    """Notes and chords (MIDI 45-84) of decaying harmonic tones, peak about 0.5."""
+    import numpy as np
+    x = np.zeros(n)
+    t0 = 0
+    while t0 < n:
+        dur = int(rng.uniform(0.15, 0.6) * sr)
+        for m in rng.integers(45, 85, size=int(rng.integers(1, 4))):
+            f = 440.0 * 2 ** ((m - 69) / 12)
+            tt = np.arange(min(2 * dur, n - t0)) / sr
+            tone = sum(0.6 ** (h - 1) * np.sin(2 * np.pi * f * h * tt) for h in range(1, 7) if f * h < sr / 2)
+            x[t0:t0 + len(tt)] += tone * np.exp(-tt * rng.uniform(2, 6)) * rng.uniform(0.1, 0.3)
+        t0 += dur
+    x = 0.5 * x / np.abs(x).max() + 0.001 * rng.standard_normal(n)
+    return x.astype(np.float32)
+
+
+def _magika_features(data: bytes, beg: int = 1024, end: int = 1024, block: int = 4096, pad: int = 256):
+    """magika 1.0.3's features (Magika._extract_features_from_seekable, standard_v3_3's
+    config): the first `beg` bytes of the first block lstripped, the last `end` of the
+    last block rstripped (both stripped when the file fits in one block), padded."""
+    if len(data) <= block:
+        b = e = data.strip()
+    else:
+        b, e = data[:block].lstrip(), data[-block:].rstrip()
+    b, e = list(b[:beg]), list(e[-end:]) if e else []
+    return b + [pad] * (beg - len(b)) + [pad] * (end - len(e)) + e
+
+
+def _digit(d: str):
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFont
+    img = Image.new("L", (28, 28), 0)
+    draw = ImageDraw.Draw(img)
+    try:
+        font = ImageFont.load_default(size=22)
+    except TypeError:  # Pillow < 10.1
+        font = ImageFont.load_default()
+    l, t, r, b = draw.textbbox((0, 0), d, font=font)
+    draw.text(((28 - (r - l)) / 2 - l, (28 - (b - t)) / 2 - t), d, fill=255, font=font)
+    return np.asarray(img, np.float32)[None, None]
+
+
+def _letterbox(rgb, size: int = 416):
+    """ddddocr's detector preproc: resize to fit size x size, pad with 114, BGR CHW float."""
+    import numpy as np
+    from PIL import Image
+    h, w = rgb.shape[:2]
+    r = min(size / h, size / w)
+    out = np.full((size, size, 3), 114, np.uint8)
+    out[:int(h * r), :int(w * r)] = np.asarray(Image.fromarray(rgb).resize((int(w * r), int(h * r)), Image.BILINEAR))
+    return np.ascontiguousarray(out[..., ::-1].transpose(2, 0, 1), dtype=np.float32)[None]
+
+
+def _vad_state(src: str, audio, sr: int, frames: int):
+    """Silero's state after `frames` frames of `audio` (run by the FP32 model on ORT CPU,
+    as the package does, with the 64-sample context carried over) and the next frame."""
+    import numpy as np
+    import onnxruntime as ort
+    sess = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+    state = np.zeros((2, 1, 128), np.float32)
+    context = np.zeros((1, 64), np.float32)
+    for i in range(frames):
+        x = np.concatenate([context, audio[None, i * 512:(i + 1) * 512]], axis=1)
+        _, state = sess.run(None, {"input": x, "state": state, "sr": np.array(sr, np.int64)})
+        context = x[:, -64:]
+    return state, np.concatenate([context, audio[None, frames * 512:(frames + 1) * 512]], axis=1)
+
+
+def _generic(inputs, batch: int, seed: int) -> dict:
+    import numpy as np
+    from onnx import TensorProto, helper
+    rng = np.random.default_rng(seed)
+    feed = {}
+    for v in inputs:
+        dims = [d.dim_value if d.HasField("dim_value") else (batch if i == 0 else 16)
+                for i, d in enumerate(v.type.tensor_type.shape.dim)]
+        dt = helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
+        feed[v.name] = (rng.standard_normal(dims).astype(dt) if v.type.tensor_type.elem_type in
+                        (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16) else np.zeros(dims, dt))
+    return feed
+
+
+def make_data(name: str, inputs: list, src: str) -> tuple[list, list, str]:
+    """(calibration batches, held-out batches, where the data came from) for the model,
+    as lists of feed dicts; `inputs` are the graph inputs that are not initializers."""
+    import numpy as np
     import documents
     spec = MODELS[name]
-    if spec["data"] == "det":
+    kind = spec["data"]
+    first = inputs[0].name
+    sources: list = []
+    if kind == "det":
         table = documents.table_page(224, 512)
         if table is None:
-            raise RuntimeError(f"{documents.SHARED}/exceltable.png (or Pillow) is missing: no table page")
+            raise RuntimeError("documents.table_page gave no table page (Pillow or its image is missing)")
         cal = [documents.pages(1, 224, 512, seed=0), table]
         held = [documents.pages(1, 320, 480, seed=7)]
         cal, held = ([_renormalize(x, spec["norm"]) for x in xs] for xs in (cal, held))
-    else:
+        return [{first: x} for x in cal], [{first: x} for x in held], "documents.pages, documents.table_page"
+    if kind == "rec":
         lines = documents.text_lines(2, 48, 320, seed=0)
-        cal = [lines[:1], lines[1:]]
         held = [documents.text_lines(1, 48, 480, seed=3)]
-    return [{input_name: x} for x in cal], [{input_name: x} for x in held]
+        return [{first: lines[:1]}, {first: lines[1:]}], [{first: x} for x in held], "documents.text_lines"
+    if kind == "cls":
+        line = documents.text_lines(1, 48, 192, seed=0)
+        cal = [line, np.ascontiguousarray(line[:, :, ::-1, ::-1])]
+        held = [documents.text_lines(1, 48, 320, seed=3)]
+        return [{first: x} for x in cal], [{first: x} for x in held], "documents.text_lines"
+    if kind == "captcha":
+        def gray(x):  # text_lines' RGB (x/255 - 0.5)/0.5 -> L / 255
+            rgb = x * 0.5 + 0.5
+            return (0.299 * rgb[:, :1] + 0.587 * rgb[:, 1:2] + 0.114 * rgb[:, 2:]).astype(np.float32)
+        lines = documents.text_lines(2, 64, 256, seed=0)
+        cal = [gray(lines[:1]), gray(lines[1:])]
+        held = [gray(documents.text_lines(1, 64, 384, seed=3))]
+        return [{first: x} for x in cal], [{first: x} for x in held], "documents.text_lines"
+    if kind == "yolox":
+        table = documents.table_page(206, 487)
+        pages = [documents.pages(1, 224, 512, seed=0)] + ([table] if table is not None else
+                                                         [documents.pages(1, 300, 400, seed=1)])
+        cal = [_letterbox(_to_uint8_rgb(x, bgr=True)) for x in pages]
+        held = [_letterbox(_to_uint8_rgb(documents.pages(1, 320, 480, seed=7), bgr=True))]
+        src_ = "documents.pages" + (", documents.table_page" if table is not None else "")
+        return [{first: x} for x in cal], [{first: x} for x in held], src_
+    if kind == "face":
+        imgs = _photos(["satya", "wolves", "kimono"], 640, 480, sources)
+        xs = [((im.astype(np.float32) - 127.0) / 128.0).transpose(2, 0, 1)[None] for im in imgs]
+        return [{first: xs[0]}, {first: xs[1]}], [{first: xs[2]}], ", ".join(sources)
+    if kind == "bgr01":
+        imgs = _photos(["wolves", "kimono", "goldfish"], 352, 352, sources)
+        xs = [np.ascontiguousarray((im[..., ::-1].astype(np.float32) / 255.0).transpose(2, 0, 1))[None]
+              for im in imgs]
+        return [{first: xs[0]}, {first: xs[1]}], [{first: xs[2]}], ", ".join(sources)
+    if kind == "style":
+        imgs = _photos(["goldfish", "satya", "wolves"], 720, 720, sources)
+        xs = [np.ascontiguousarray(im[..., ::-1].astype(np.float32).transpose(2, 0, 1))[None] for im in imgs]
+        return [{first: xs[0]}, {first: xs[1]}], [{first: xs[2]}], ", ".join(sources)
+    if kind == "luma":
+        from PIL import Image
+        imgs = _photos(["goldfish", "wolves", "satya", "kimono"], 224, 224, sources)
+        ys = [np.asarray(Image.fromarray(im).convert("YCbCr"))[..., 0].astype(np.float32)[None, None] / 255.0
+              for im in imgs]
+        return ([{first: ys[0]}, {first: ys[1]}], [{first: np.concatenate(ys[2:])}],
+                ", ".join(sources) + "; held out: batch 2")
+    if kind == "digits":
+        return [{first: _digit("3")}, {first: _digit("4")}], [{first: _digit("5")}], "Pillow digits 3, 4; held out 5"
+    if kind == "vad":
+        sr = 16000
+        audio = [_speech(sr, sr, np.random.default_rng(s)) for s in range(4)]
+        zeros1 = np.zeros((2, 1, 128), np.float32)
+        state, frame = _vad_state(src, audio[1], sr, 10)
+        cal = [{"input": audio[0][None, 3000:3576], "state": zeros1, "sr": np.array(sr, np.int64)},
+               {"input": frame, "state": state, "sr": np.array(sr, np.int64)}]
+        held = [{"input": np.stack([audio[2][5000:5576], audio[3][7000:7576]]),
+                 "state": np.zeros((2, 2, 128), np.float32), "sr": np.array(sr, np.int64)}]
+        return cal, held, "synthetic speech; calibration: zero state, and the state after 10 frames; held out: batch 2"
+    if kind == "music":
+        n, sr = 43844, 22050
+        xs = [_music(n, sr, np.random.default_rng(s))[None, :, None] for s in range(4)]
+        return [{first: xs[0]}, {first: xs[1]}], [{first: np.concatenate(xs[2:])}], "synthetic music; held out: batch 2"
+    if kind == "bytes":
+        shared = _samples()
+        groups = [[REPO / "SECURITY.md", REPO / "models/documents.py", shared / "exceltable.png",
+                   REPO / "models/real/mnist_cntk.onnx"],
+                  [shared / "goldfish.jpg", REPO / "models/real/README.md", REPO / "benchmarks/gpu_check.sh",
+                   REPO / "pyproject.toml"],
+                  [shared / "kimono.jpg", REPO / "models/corpus.py"]]
+        names = []
+
+        def content(p: Path, i: int) -> bytes:
+            if p.is_file():
+                names.append("/".join(p.parts[-2:]))
+                return p.read_bytes()
+            # a sample image that is not there: a synthetic page saved in its format instead
+            import io
+            from PIL import Image
+            buf = io.BytesIO()
+            Image.fromarray(_to_uint8_rgb(documents.pages(1, 240, 320, seed=200 + i), bgr=True)).save(
+                buf, format="PNG" if p.suffix == ".png" else "JPEG")
+            names.append(f"synthetic page as {p.suffix[1:]} (no {p.name})")
+            return buf.getvalue()
+        feeds = [{first: np.array([_magika_features(content(p, i)) for i, p in enumerate(g)], np.int32)}
+                 for g in groups]
+        return feeds[:2], feeds[2:], "files " + ", ".join(names[:8]) + "; held out " + ", ".join(names[8:])
+    return ([_generic(inputs, 1, 0), _generic(inputs, 1, 1)],
+            [_generic(inputs, 2 if not inputs[0].type.tensor_type.shape.dim[0].HasField("dim_value") else 1, 2)],
+            "generated")
+
+
+def _digest(batches: list) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for b in batches:
+        for k in sorted(b):
+            h.update(k.encode())
+            h.update(str(b[k].dtype).encode() + str(b[k].shape).encode())
+            h.update(b[k].tobytes())
+    return h.hexdigest()[:16]
 
 
 def _save_batches(batches: list, folder: Path, stem: str) -> list[str]:
@@ -337,12 +665,18 @@ def worker_convert(tool, src, dst, options):
             import graphmp
             res["import_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
+            res["graphmp_file"] = graphmp.__file__
+            res["graphmp_version"] = getattr(graphmp, "__version__", None)
             rep = graphmp.convert(src, dst, **options).to_dict()
             res["time_s"] = time.perf_counter() - t1
             res["graphmp"] = {k: rep.get(k) for k in ("nodes", "fp32_by_reason", "warnings", "seconds")}
             if "search" in rep:
                 s = dict(rep["search"])
                 s["fp32_regions"] = len(s.get("fp32_regions") or [])
+                given = s.pop("given_back", None)  # a list of nodes; absent before it existed
+                s["given_back"] = None if given is None else len(given)
+                if given:
+                    s["given_back_nodes"] = given[:20]
                 res["search"] = s
         elif tool == "occ-amp":
             res.update(_occ_amp(src, dst, options))
@@ -434,6 +768,7 @@ def plan_rows(tools, max_error) -> list[dict]:
         elif t == "graphmp-budget":
             rows.append({"tool": t, "label": f"graphmp-budget {max_error:g}", "options": {"max_error": max_error}})
             rows.append({"tool": t, "label": "graphmp-budget tf32", "options": {"max_error": "tf32"}})
+            rows.append({"tool": t, "label": "graphmp-budget auto", "options": {"max_error": "auto"}})
         elif t == "occ-amp":
             rows.append({"tool": t, "label": f"occ-amp {max_error:g}", "options": {"max_error": max_error}})
         else:
@@ -462,6 +797,9 @@ def run_row(row, src, work: Path, data: dict, args, avail) -> dict:
     else:
         row["options"]["calibration"] = data["cal"]
         cmd, timeout = _worker_cmd("convert", row["tool"], src, str(dst), row["options"]), args.convert_timeout
+        if args.graphmp_root:  # the child imports PATH/graphmp (PYTHONPATH comes first in sys.path above)
+            path = os.pathsep.join(x for x in (args.graphmp_root, os.environ.get("PYTHONPATH")) if x)
+            cmd = ["/usr/bin/env", f"PYTHONPATH={path}", *cmd]
     c = run_child(cmd, timeout)
     r = c["result"] or {}
     row["convert"] = {"time_s": r.get("time_s"), "wall_s": c["wall_s"], "import_s": r.get("import_s"),
@@ -469,7 +807,7 @@ def run_row(row, src, work: Path, data: dict, args, avail) -> dict:
     if row["tool"] == "occ-amp":
         log_path = Path(row["options"]["log"])
         row["convert"]["attempts"] = log_path.read_text().count("Running attempt") if log_path.exists() else None
-    for k in ("search", "graphmp"):
+    for k in ("search", "graphmp", "graphmp_file", "graphmp_version"):
         if k in r:
             row[k] = r[k]
     if record_failure(row, c, r):
@@ -493,25 +831,33 @@ def bench_model(name, args, avail, root: Path, wheels: dict, log) -> dict:
     spec = MODELS[name]
     info = {"model": name, "status": "ok", "path": None, "max_error": args.max_error or spec["max_error"],
             **{k: spec.get(k) for k in ("source", "license", "arch")},
-            "preprocessing": PREPROCESSING[spec.get("norm", "rec")], "rows": []}
+            "data": spec["data"], "preprocessing": PREPROCESSING[spec.get("norm", spec["data"])], "rows": []}
     if not info["source"]:
         info["source"] = f"pypi:{spec['package']}:{spec['member']}"
     work = root / name
     work.mkdir(parents=True, exist_ok=True)
     try:
         src = str(obtain(name, Path(args.cache), wheels, root))
-        inputs = [v.name for v in onnx.load(src, load_external_data=False).graph.input]
-        cal, held = make_data(name, inputs[0])
+        g = onnx.load(src, load_external_data=False).graph
+        inits = {t.name for t in g.initializer}
+        feeds = [v for v in g.input if v.name not in inits]
+        cal, held, info["data_source"] = make_data(name, feeds, src)
     except Exception as e:  # noqa: BLE001 - one unobtainable model must not stop the run
         info["status"] = f"not available: {_err(e)}"
         return info
     info["path"] = src
     info["calibration"] = [{k: list(v.shape) for k, v in b.items()} for b in cal]
     info["held_out"] = [{k: list(v.shape) for k, v in b.items()} for b in held]
+    info["data_digest"] = _digest(cal + held)
     data = {"cal": _save_batches(cal, work / "cal", "b"), "held": _save_batches(held, work / "held", "h"),
             "cal_dir": str(work / "cal")}
     # occ-amp takes one feed: every calibration batch when they stack, else the first
-    same = all({k: v.shape for k, v in b.items()} == {k: v.shape for k, v in cal[0].items()} for b in cal)
+    # (not when an input's batch dim is fixed, as in mnist_cntk; silero_vad: a scalar sr
+    # and a state batched on axis 1 do not)
+    fixed = any(v.type.tensor_type.shape.dim and v.type.tensor_type.shape.dim[0].HasField("dim_value")
+                for v in feeds)
+    same = all({k: v.shape for k, v in b.items()} == {k: v.shape for k, v in cal[0].items()} for b in cal) and all(
+        v.ndim >= 1 for v in cal[0].values()) and spec["data"] != "vad" and not fixed
     feed = {k: np.concatenate([b[k] for b in cal]) for k in cal[0]} if same else cal[0]
     data["occ_feed"] = _save_batches([feed], work, "occ_feed")[0]
     info["occ_feed"] = {k: list(v.shape) for k, v in feed.items()}
@@ -554,8 +900,12 @@ def _search_cell(s: dict | None) -> str:
         return f"static plan within budget ({_num(s.get('error_static_plan'))}x)"
     held = (f", held-out {_num(s['held_out_error'])}x{' (refit)' if s.get('refit_on_all_batches') else ''}"
             if "held_out_error" in s else "")
+    share = s.get("model_compute_fp16")
+    given = s.get("given_back")
     return (f"{s['evaluations']} evals, {s['seconds']:.1f} s, {'met' if s['reached'] else 'NOT met'}, "
-            f"{_num(s['error'])}x{held}, model FP16 compute {100 * s['model_compute_fp16']:.1f}%")
+            f"{_num(s['error'])}x{held}, model FP16 compute "
+            + ("-" if share is None else f"{100 * share:.1f}%")
+            + ("" if given is None else f", {given} given back"))
 
 
 def model_header(info: dict) -> str:
@@ -623,7 +973,14 @@ def main(argv=None):
                     help="python of the AutoCast venv (default %(default)s; env AUTOCAST_PYTHON)")
     ap.add_argument("--cache", default=str(REPO / "models" / "build"), help="where downloaded models are kept")
     ap.add_argument("--keep", default=None, metavar="DIR", help="keep inputs, references and converted models in DIR")
+    ap.add_argument("--graphmp-root", default=None, metavar="PATH",
+                    help="the graphmp rows import graphmp from PATH/graphmp (another checkout, e.g. a git worktree "
+                         "of the commit before a change); reference, evaluation and structure use this checkout's")
     args = ap.parse_args(argv)
+    if args.graphmp_root:
+        args.graphmp_root = str(Path(args.graphmp_root).resolve())
+        if not (Path(args.graphmp_root) / "graphmp" / "__init__.py").is_file():
+            ap.error(f"--graphmp-root {args.graphmp_root}: no graphmp/__init__.py there")
     args.tools = [t.strip() for t in args.tools.split(",") if t.strip()]
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = [t for t in args.tools if t not in ALL_TOOLS] + [m for m in models if m not in MODELS]
@@ -635,7 +992,18 @@ def main(argv=None):
 
     started = _dt.datetime.now(_dt.timezone.utc)
     keys = sorted({AVAILABILITY_KEY[t] for t in args.tools})
+    load_start = os.getloadavg()
     avail = tool_availability(keys, args.autocast_python)
+    if args.graphmp_root and "graphmp" in avail:  # the graphmp the conversion children will import
+        import subprocess
+        r = subprocess.run([sys.executable, "-c", "import graphmp, json; print(json.dumps("
+                            "[graphmp.__file__, getattr(graphmp, '__version__', None)]))"],
+                           capture_output=True, text=True, cwd=args.graphmp_root,  # not REPO: -c puts cwd first
+                           env=dict(os.environ, PYTHONPATH=args.graphmp_root))
+        ok = r.returncode == 0 and json.loads(r.stdout)[0].startswith(args.graphmp_root + os.sep)
+        avail["graphmp"] = {"ok": ok, "version": json.loads(r.stdout)[1] if r.returncode == 0 else None,
+                            "error": None if ok else (r.stderr.strip() or f"imported {r.stdout.strip()}")[-500:],
+                            "root": args.graphmp_root, "file": json.loads(r.stdout)[0] if r.returncode == 0 else None}
     for t, a in avail.items():
         log(f"{t}: " + (f"available {a.get('version') or ''}" if a["ok"] else f"NOT AVAILABLE: {a['error']}"))
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="graphmp-search-"))
@@ -655,8 +1023,9 @@ def main(argv=None):
         "cwd": os.getcwd(), "started_utc": started.isoformat(timespec="seconds"),
         "duration_s": (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds(),
         "machine": machine_info(), "tools": avail,
+        "load": {"start": list(load_start), "end": list(os.getloadavg())},
         "settings": {"tools": args.tools, "metric": METRIC, "occ_timeout_s": args.occ_timeout,
-                     "convert_timeout_s": args.convert_timeout,
+                     "convert_timeout_s": args.convert_timeout, "graphmp_root": args.graphmp_root,
                      "reference": "graphmp.oracle.runner(FP32 source, optimize=False), ONNX Runtime CPU",
                      "emulation": "graphmp.emulate.emulated_runner(converted): FP16 storage, FP32 math"},
         "models": infos,
