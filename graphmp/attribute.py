@@ -10,7 +10,9 @@ top of what reaches it. The nodes with the largest growth are where FP16 hurts, 
 the first node whose output turns inf/NaN from finite inputs is where it overflows.
 
 Best effort and only on a FAIL: one extra run of each model, with every intermediate
-held in memory once (skipped above MAX_ELEMENTS, or when either run fails).
+held in memory once (the source's run always happens; the converted model's is skipped
+when the source's intermediates exceed MAX_ELEMENTS, and nothing is blamed when either
+run fails).
 """
 from __future__ import annotations
 
