@@ -138,7 +138,10 @@ class CheckReport:
         floor = (d.get("budget") or {}).get("floor", {})
         tf32 = (d.get("budget") or {}).get("tf32") or {}
         for name, o in d["outputs"].items():
-            judged = (f"{d['metric']} {o['error']:.4g} (allowed {o['allowed']:.4g}"
+            spread = o.get("per_batch")
+            judged = (f"{d['metric']} {o['error']:.4g}"
+                      + (f" (worst of {len(spread)} batches, best {min(spread):.3g})" if spread else "")
+                      + f" (allowed {o['allowed']:.4g}"
                       + (f"; TF32 error {tf32[name]:.3g}" if name in tf32 else "")
                       + (f"; FP16 input floor {floor[name]:.3g}" if name in floor else "") + ")"
                       if o.get("error") is not None and o.get("allowed") is not None else "not judged by this metric")
@@ -348,6 +351,7 @@ def check(ref, converted, data=None, *, shapes=None, max_error=DEFAULT, metric: 
                      "ref_max_abs": max(r.get("ref_max_abs", 0.0) for r in rows),
                      "nonfinite": sum(r["nonfinite"] for r in rows),
                      "argmax_agree": float(np.mean(agrees)) if agrees else None,
+                     "per_batch": errs if len(errs) > 1 else None,  # the spread the verdict's max hides
                      "passed": all(r["passed"] for r in rows)}
     passed = all(o["passed"] for o in merged.values())
     return CheckReport(dict(names, oracle=judged_by, batches=len(batches), inputs=described, outputs=merged,

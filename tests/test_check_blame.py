@@ -65,3 +65,18 @@ def test_a_pass_names_nothing(tmp_path, capsys):
     assert main(["convert", str(src), "-o", str(conv), "-q"]) == 0
     rc, out = _check(capsys, src, conv)
     assert rc == 0 and "where:" not in out
+
+
+def test_several_batches_report_their_spread(tmp_path, capsys):
+    src, conv = tmp_path / "mlp.onnx", tmp_path / "mlp.mp.onnx"
+    onnx.save(_mlp(5), src)
+    assert main(["convert", str(src), "-o", str(conv), "-q"]) == 0
+    data = []
+    for i in range(3):
+        data.append(str(tmp_path / f"x{i}.npz"))
+        np.savez(data[-1], x=np.random.default_rng(i).standard_normal((4, 64)).astype(np.float32) * (i + 1))
+    from graphmp.check import check
+    o = check(str(src), str(conv), data=data).outputs["y"]
+    assert len(o["per_batch"]) == 3 and max(o["per_batch"]) == o["error"] and min(o["per_batch"]) < o["error"]
+    rc, out = _check(capsys, src, conv, "--data", *data)
+    assert rc == 0 and f"(worst of 3 batches, best {min(o['per_batch']):.3g})" in out
