@@ -21,6 +21,7 @@ from .save import save_model
 from .wire import is_self_reference
 from .passes import PassResult, apply, calibrate, classify, fuse, paint, plan_file, prepare, search, types
 from .passes.apply import LowConverter, to_low
+from .plan_read import load as load_plan
 
 MARK_KEY = "graphmp"
 
@@ -217,8 +218,8 @@ def convert(src, dst=None, **options) -> ConvertReport:
     """
     t0 = time.perf_counter()
     opts = Options.from_kwargs(options)
-    if opts.plan is not None:  # checked before any work (passes/plan_file.py)
-        opts.plan = plan_file.load(opts.plan)
+    if opts.plan is not None:  # checked before any work (graphmp/plan_read.py)
+        opts.plan = load_plan(opts.plan)
     model, path, base_dir = open_model(src, dst, by_reference=True)
     t_load = time.perf_counter() - t0
     _check_op_names(opts.fp32_ops, model, path, fused=opts.fuse is not None)

@@ -23,7 +23,7 @@ from graphmp.emulate import emulated_runner
 from graphmp.errors import GraphmpError
 from graphmp.io import iter_graphs
 from graphmp.oracle import runner
-from graphmp.passes import plan_file
+from graphmp.plan_read import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SILERO = os.path.join(ROOT, "models", "real", "silero_vad.onnx")
@@ -89,7 +89,7 @@ def test_saved_plan_holds_every_float_node_and_the_search(saved):
     precision = {e["name"]: e["precision"] for e in d["nodes"]}
     assert precision == {n: "fp32" if n in ("add200", "sub200", "sum") else "low" for n in NAMES}
     assert {(e["op_type"], e["index"]) for e in d["nodes"]} >= {("MatMul", 3), ("Add", 1), ("Relu", 1)}
-    assert plan_file.load(str(p)).data == d  # what --save-plan writes, --plan reads
+    assert load(str(p)).data == d  # what --save-plan writes, --plan reads
 
 
 @pytest.mark.parametrize("renamed", [False, True], ids=["new-weights", "new-weights-renamed-reordered"])
