@@ -18,7 +18,10 @@ reason recorded) when any of these hold, in this order of precedence:
      QuantizeLinear (TensorRT and ONNX Runtime fuse DQ -> op -> Q into INT8 kernels; a
      Cast inside that unit would break the fusion and move quantization buckets);
   5. an initializer it reads would change meaning in the target type (beyond the
-     range, or a small constant that rounds to zero);
+     range, or a small constant that rounds to zero where that matters: the flushed
+     value is at least 2^-11 of the scale it meets, its own max |x| and, when added, the
+     calibrated max |x| of the other operand; or the sum reaches a divisor, Sqrt, Log or
+     a comparison, where an epsilon guards against 0);
   6. calibration saw a value above the range threshold on one of its float tensors (with
      --max-error, up to GIVE_BACK_RANGE, it is only a candidate: ctx.range_candidates,
      and the search decides by the measured error);
@@ -36,6 +39,8 @@ reason recorded) when any of these hold, in this order of precedence:
 from __future__ import annotations
 
 import re
+
+import numpy as np
 
 from onnx import TensorProto
 
@@ -127,8 +132,90 @@ class InitStats:
                 f = weight_facts(a, FP16_TINY / 2, fp16=self.ctx.low == TensorProto.FLOAT16)
                 if self.ctx.low == TensorProto.FLOAT16:
                     self.ctx.weight_rounding[key] = f["rounding"]
-                self.cache[key] = (f["max_abs"], f["tiny"], int(a.size))
+                flushed = 0.0  # the largest |x| FP16 rounds to 0 (small constants only: rule 5)
+                if f["tiny"] and a.size <= SMALL_CONST:
+                    ax = np.abs(a.astype(np.float64).ravel())
+                    flushed = float(ax[(ax > 0) & (ax < FP16_TINY / 2)].max())
+                self.cache[key] = (f["max_abs"], f["tiny"], int(a.size), flushed)
         return self.cache[key]
+
+
+# Rule 5, small constants FP16 flushes to 0: what the constant is combined with decides
+# whether the flush matters. Dropping a value matters when it is at least FP16's relative
+# precision (2^-11) times the scale it meets: the constant's own largest |x| and, where it
+# is added (positions below), the calibrated max |x| of what it is added to. An additive
+# constant whose sum reaches an op that is singular or discontinuous at zero (a divisor,
+# Sqrt, Log, a comparison: the epsilon guard, x / (|y| + eps)) is judged as before: any
+# flushed value keeps the node FP32.
+FP16_REL = 2.0 ** -11
+# op -> {constant's input position: ("in", i) / ("out", i) tensors it is added to (None: all other inputs)}
+ADDITIVE = {"Add": None, "Sub": None, "Sum": None,
+            "Conv": {2: (("out", 0),)}, "ConvTranspose": {2: (("out", 0),)}, "Gemm": {2: (("out", 0),)},
+            "BatchNormalization": {2: (("out", 0),), 3: (("in", 0),)}}
+# (op, input position or None for any): the read is singular or discontinuous at 0
+GUARDED = {("Div", 1), ("Reciprocal", None), ("Sqrt", None), ("Log", None), ("Pow", 0), ("Sign", None),
+           ("Mod", 1), ("Greater", None), ("Less", None), ("GreaterOrEqual", None), ("LessOrEqual", None),
+           ("Equal", None)}
+
+
+def _partners(n, i):
+    """Tensors the constant at input i of n is added to, or None when it is not added."""
+    pos = ADDITIVE.get(n.op_type, False) if n.domain in ("", "ai.onnx") else False
+    if pos is False:
+        return None
+    if pos is None:
+        return [x for j, x in enumerate(n.inputs) if j != i and x]
+    sel = pos.get(i)
+    if sel is None:
+        return None
+    return [(n.inputs if side == "in" else n.outputs)[j] for side, j in sel
+            if j < len(n.inputs if side == "in" else n.outputs)]
+
+
+def _reaches_guard(g, n, consumers) -> str | None:
+    """The first op singular/discontinuous at 0 that n's output reaches through data
+    movement (or a subgraph reading it: unknown use, counted), as 'Op name', else None."""
+    users = consumers(g)
+    todo, seen = [o for o in n.outputs[:1] if o], set()
+    while todo:
+        t = todo.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        for c in users.get(t, ()):
+            if t not in c.inputs:
+                return f"subgraph of {c.op_type} '{c.name}'"
+            for j, x in enumerate(c.inputs):
+                if x == t and ((c.op_type, None) in GUARDED or (c.op_type, j) in GUARDED):
+                    return f"{c.op_type} '{c.name}'"
+            if c.op_type in PASS_THROUGH and c.inputs and c.inputs[0] == t:
+                todo.extend(o for o in c.outputs if o)
+    return None
+
+
+def _flush_reason(ctx, g, n, i, s, stats, consumers) -> str | None:
+    """Rule 5's reason for the small constant at input i of n whose values FP16 flushes to 0
+    (s: its InitStats), or None when the flush is below FP16's rounding at the scale it meets."""
+    maxabs, _, _, flushed = s
+    name = n.inputs[i]
+    head = f"initializer '{name}' holds {_fmt(flushed)}, which FP16 rounds to 0 (|x| < {_fmt(FP16_TINY / 2)})"
+    partners = _partners(n, i)
+    if partners is not None:
+        guard = _reaches_guard(g, n, consumers)
+        if guard:
+            return f"{head}; the sum reaches {guard}, where a guard against 0 matters"
+    scale, seen = maxabs, f"its own max |x| {_fmt(maxabs)}"
+    for x in partners or ():
+        owner = g.owner_of(x)
+        r = (ctx.ranges or {}).get((owner.key if owner is not None else g.key, x))
+        if r is None:
+            ps = stats.get(g, x)
+            r = ps[0] if ps else None
+        if r is not None and r > scale:
+            scale, seen = r, f"'{x}' (max |x| {_fmt(r)})"
+    if flushed >= FP16_REL * scale:
+        return f"{head}, significant beside {seen} (>= 2^-11 of it)"
+    return None
 
 
 def _fmt(x):
@@ -292,11 +379,11 @@ def classify(ctx):
                 s = stats.get(g, n.inputs[i])
                 if s is None:
                     continue
-                maxabs, tiny, size = s
+                maxabs, tiny, size, _ = s
                 if maxabs > lim:
                     info.reason = f"initializer '{n.inputs[i]}' holds {_fmt(maxabs)}, beyond the {opt.target.upper()} range"
                 elif opt.target == "fp16" and tiny and size <= SMALL_CONST:
-                    info.reason = f"initializer '{n.inputs[i]}' holds values FP16 rounds to 0 (|x| < {_fmt(FP16_TINY / 2)})"
+                    info.reason = _flush_reason(ctx, g, n, i, s, stats, consumers)
                 if info.reason:
                     break
         if info.reason is None and ctx.ranges:
