@@ -13,6 +13,7 @@ import time
 
 from .version import __version__
 from .budget import DEFAULT
+from .cast_cost import cast_traffic, summary_line as cast_summary_line
 from .context import Ctx, Options
 from .errors import GraphmpError
 from .io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model,
@@ -98,6 +99,8 @@ class ConvertReport:
             f"  weights: {d['weight_bytes_before'] / 1e6:.2f} MB -> {d['weight_bytes_after'] / 1e6:.2f} MB",
             f"  calibration: {_calibration_line(d['calibration'])}",
         ]
+        if d.get("cast_traffic"):
+            lines.append(cast_summary_line(d["cast_traffic"], d["target"]))
         if d.get("fuse"):
             f = d["fuse"]
             lines.append(f"  fused ({f['model_type']}, ONNX Runtime only): " + ", ".join(
@@ -251,6 +254,9 @@ def convert(src, dst=None, **options) -> ConvertReport:
     model = ctx.model
     report["weight_bytes_before"] = report["prepare"]["weight_bytes"]  # Constant nodes counted as weights
     _report_nodes(ctx)
+    t_casts = time.perf_counter()  # what the Casts move per inference; FP16 share of the compute (cast_cost.py)
+    report["cast_traffic"] = cast_traffic(model, ctx.batches[0] if ctx.batches else None, report.get("casts_added"))
+    report["timings"]["cast_traffic"] = round(time.perf_counter() - t_casts, 4)
     report["weight_bytes_after"] = model_weight_bytes(model) - _deferred_bytes(model)
     report["warnings"] = ctx.warnings
     meta = model.metadata_props.add()

@@ -1,0 +1,286 @@
+"""cast_cost: what the Casts of a converted model cost per inference, and how much of
+its compute runs in the low type (issue 26; convert's report["cast_traffic"]).
+
+Cheap by design: no ONNX Runtime run, only shape inference (data propagation on) of a
+weightless skeleton (graphmp.io.skeleton) with the graph inputs set to the shapes of the
+first calibration batch, or the declared shapes when there is none. As in
+graphmp.passes.regions.node_costs, inside If/Loop/Scan bodies inference often keeps
+only the rank: an unknown dim counts as 1 and the figures are marked approximate. In
+the main graph an unknown dim with no concrete input shapes (no calibration, dynamic
+declared dims) makes the figure unavailable rather than a guess.
+
+- Cast bytes: elements x (size of the source type + size of the target type): the
+  input read plus the output written. "boundary": Casts that read a graph input or
+  write a graph output of the main graph (keep_io_types); "inside": the rest.
+- compute_fp16_share: FLOPs (multiply-adds x 2) of Conv/ConvTranspose/MatMul/Gemm/Einsum
+  in every graph whose output is FLOAT16/BFLOAT16, over all their FLOPs.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from .io import CONVERT_MARK, iter_graphs, skeleton
+
+COMPUTE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum")
+LOW_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+TOP = 5
+
+
+def _itemsize(elem_type: int) -> int | None:
+    if elem_type == TensorProto.BFLOAT16:
+        return 2
+    try:
+        return int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).itemsize)
+    except Exception:  # noqa: BLE001 - undefined/string/unknown: no size
+        return None
+
+
+def _type_name(elem_type) -> str:
+    try:
+        return TensorProto.DataType.Name(elem_type)
+    except ValueError:
+        return str(elem_type)
+
+
+def _skeleton(model, shapes: dict):
+    """Weightless copy: initializers that save converts to the low type (CONVERT_MARK)
+    get that type (no data: types and dims are all inference needs), the graph inputs
+    the given shapes."""
+    skel = skeleton(model)
+    for g in iter_graphs(skel.graph):
+        for t in g.initializer:
+            if t.doc_string.startswith(CONVERT_MARK):
+                t.data_type = int(t.doc_string[len(CONVERT_MARK):])
+                for f in ("raw_data", "float_data", "int32_data"):
+                    t.ClearField(f)
+            elif t.data_type in LOW_TYPES and len(t.raw_data) > 4096:  # converted weights (an in-memory model)
+                t.ClearField("raw_data")
+    for g in iter_graphs(skel.graph):  # a declared dim_param ('batch') would hide the inferred dim
+        for v in list(g.value_info) + (list(g.output) if g is skel.graph else []):
+            for d in v.type.tensor_type.shape.dim:
+                if d.HasField("dim_param"):
+                    d.ClearField("dim_param")
+    for v in skel.graph.input:
+        if v.name in shapes:
+            shape = v.type.tensor_type.shape
+            shape.ClearField("dim")
+            for d in shapes[v.name]:
+                shape.dim.add().dim_value = int(d)
+    return skel
+
+
+def _input_shapes(model, batch) -> tuple[dict, bool, str]:
+    """({graph input: dims}, every dim concrete, where the shapes come from)."""
+    inits = {t.name for t in model.graph.initializer}
+    shapes, concrete = {}, True
+    for v in model.graph.input:
+        if v.name in inits:
+            continue
+        if batch is not None and v.name in batch:
+            shapes[v.name] = [int(d) for d in np.shape(batch[v.name])]
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+                for d in v.type.tensor_type.shape.dim]
+        concrete &= v.type.tensor_type.HasField("shape") and None not in dims
+        shapes[v.name] = dims
+    return shapes, concrete, "calibration batch 1" if batch is not None else "declared shapes"
+
+
+def shapes_label(shapes: dict) -> str:
+    """Input3:1x1x28x28, with ? for an unknown dim."""
+    return ", ".join(f"{k}:{'x'.join('?' if d is None else str(d) for d in dims) or 'scalar'}"
+                     for k, dims in shapes.items())
+
+
+def _einsum_flops(n, shapes: dict, out_elems: float) -> float | None:
+    eq = next((a.s.decode() for a in n.attribute if a.name == "equation"), "").replace(" ", "")
+    lhs, _, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    sizes: dict = {}
+    counts: dict = {}
+    for term, x in zip(terms, n.input):
+        dims = shapes.get(x)
+        if dims is None:
+            return None
+        letters = term.replace("...", "")
+        offset = len(dims) - len(letters) if "..." in term else 0
+        for i, c in enumerate(letters):
+            pos = i + (offset if "..." in term and i >= term.index("...") else 0)
+            if pos < len(dims):
+                sizes[c] = max(sizes.get(c, 1), dims[pos])
+            counts[c] = counts.get(c, 0) + 1
+    out_letters = set(rhs) if "->" in eq else {c for c, k in counts.items() if k == 1}
+    contracted = [sizes.get(c, 1) for c in counts if c not in out_letters and c != "."]
+    return 2 * out_elems * float(np.prod(contracted)) if contracted else out_elems
+
+
+def _flops(n, shapes: dict) -> float | None:
+    """Multiply-adds x 2 of a compute node at these (filled) shapes; None without shapes."""
+    out = shapes.get(n.output[0]) if n.output else None
+    if out is None:
+        return None
+    elems = float(np.prod(out)) if out else 1.0
+    a = shapes.get(n.input[0]) if n.input else None
+    w = shapes.get(n.input[1]) if len(n.input) > 1 else None
+    if n.op_type == "Conv":
+        return 2 * elems * float(np.prod(w[1:])) if w else None
+    if n.op_type == "ConvTranspose":
+        return 2 * float(np.prod(a)) * float(np.prod(w[1:])) if w and a else None
+    if n.op_type == "MatMul":
+        return 2 * elems * float(a[-1]) if a else None
+    if n.op_type == "Gemm":
+        trans_a = next((x.i for x in n.attribute if x.name == "transA"), 0)
+        return 2 * elems * float(a[0] if trans_a else a[-1]) if a and len(a) == 2 else None
+    if n.op_type == "Einsum":
+        return _einsum_flops(n, shapes, elems)
+    return None
+
+
+def cast_traffic(model, batch=None, casts_added: int | None = None) -> dict:
+    """The report's cast_traffic entry for this (converted) model; batch: the first
+    calibration batch ({input name: array}) or None (declared shapes)."""
+    t0 = time.perf_counter()
+    in_shapes, concrete, shapes_from = _input_shapes(model, batch)
+    out = {"shapes": in_shapes, "shapes_from": shapes_from, "casts_added": casts_added}
+    skel = _skeleton(model, {k: v for k, v in in_shapes.items() if None not in v})
+    try:
+        skel = onnx.shape_inference.infer_shapes(skel, strict_mode=False, data_prop=True)
+        inferred = True
+    except Exception as e:  # noqa: BLE001 - the figures become unavailable, not the conversion
+        inferred, out["inference_error"] = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+    shapes, types, producer, consumers = {}, {}, {}, {}
+    graphs = list(iter_graphs(skel.graph))
+    main_inputs = {v.name for v in skel.graph.input}
+    main_outputs = {v.name for v in skel.graph.output}
+    for gi, g in enumerate(graphs):
+        for v in list(g.input) + list(g.value_info) + list(g.output):
+            tt = v.type.tensor_type
+            if tt.elem_type:
+                types.setdefault(v.name, tt.elem_type)
+            if tt.HasField("shape"):
+                dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in tt.shape.dim]
+                if v.name not in shapes or (None in shapes[v.name] and None not in dims):
+                    shapes[v.name] = (dims, gi)
+        for t in g.initializer:
+            types[t.name] = t.data_type
+            shapes[t.name] = (list(t.dims), gi)
+        for n in g.node:
+            for x in n.output:
+                producer[x] = n.op_type
+            for x in n.input:
+                consumers.setdefault(x, []).append(n.op_type)
+            if n.op_type == "Constant":
+                v = next((a.t for a in n.attribute if a.name == "value"), None)
+                if v is not None:
+                    types.setdefault(n.output[0], v.data_type)
+                    shapes.setdefault(n.output[0], (list(v.dims), gi))
+
+    def dims_of(x, gi):
+        """(filled dims or None, approximate, unavailable)."""
+        if x not in shapes:
+            return None, True, gi == 0 and not concrete
+        dims, where = shapes[x]
+        if None not in dims:
+            return dims, False, False
+        return [d or 1 for d in dims], True, where == 0 and not concrete
+
+    approximate = unavailable = False
+    casts = []
+    for gi, g in enumerate(graphs):
+        for n in g.node:
+            if n.op_type != "Cast" or not n.input or not n.output:
+                continue
+            to = next((a.i for a in n.attribute if a.name == "to"), 0)
+            src = types.get(n.input[0])
+            # the output's dims, or the input's where only they are all known (same count)
+            dims, approx, unavail = dims_of(n.output[0], gi)
+            if approx:
+                dims2, approx2, unavail2 = dims_of(n.input[0], gi)
+                if dims is None or (dims2 is not None and not approx2):
+                    dims, approx, unavail = dims2, approx2, unavail2
+            s_in, s_out = _itemsize(src) if src else None, _itemsize(to)
+            if dims is None or s_in is None or s_out is None:
+                approx = True
+                unavail |= gi == 0 and not concrete
+            elems = int(np.prod(dims)) if dims is not None else 1
+            nbytes = elems * ((s_in or 4) + (s_out or 4))
+            approximate |= approx
+            unavailable |= unavail
+            boundary = gi == 0 and (n.input[0] in main_inputs or n.output[0] in main_outputs)
+            casts.append({"name": n.name, "graph": "main" if gi == 0 else f"body {gi}", "bytes": nbytes,
+                          "elements": elems, "from": _type_name(src) if src else "unknown", "to": _type_name(to),
+                          "producer": producer.get(n.input[0], "graph input" if n.input[0] in main_inputs
+                                                   else "initializer" if n.input[0] in types else "outer scope"),
+                          "consumers": sorted(set(consumers.get(n.output[0], [])))
+                          + (["graph output"] if n.output[0] in main_outputs else []),
+                          "boundary": boundary})
+    total = sum(c["bytes"] for c in casts)
+    boundary = sum(c["bytes"] for c in casts if c["boundary"])
+    ok = inferred and not unavailable
+    out.update(casts=len(casts), approximate=bool(approximate),
+               unavailable=None if ok else ("shape inference failed" if not inferred else
+                                            "main-graph dims unknown without a calibration batch; calibration "
+                                            "(generated inputs, --shapes, or --calibration) gives them"),
+               bytes=total if ok else None, boundary_bytes=boundary if ok else None,
+               inside_bytes=total - boundary if ok else None,
+               mb_per_inference={"total": total / 1e6, "boundary": boundary / 1e6, "inside": (total - boundary) / 1e6}
+               if ok else None,
+               top=[{k: c[k] for k in ("name", "graph", "bytes", "elements", "from", "to", "producer", "consumers")}
+                    for c in sorted(casts, key=lambda c: -c["bytes"])[:TOP]] if ok else [])
+
+    # FLOPs of the compute ops, and the share whose output is in the low type
+    filled = {x: [d or 1 for d in dims] for x, (dims, _) in shapes.items()}
+    flops = low = 0.0
+    flops_approx = flops_unavail = False
+    for gi, g in enumerate(graphs):
+        for n in g.node:
+            if n.op_type not in COMPUTE_OPS or n.domain not in ("", "ai.onnx"):
+                continue
+            f = _flops(n, filled)
+            used = [shapes[x][0] for x in list(n.output[:1]) + list(n.input[:2]) if x in shapes]
+            if f is None:
+                flops_approx = True
+                flops_unavail |= gi == 0 and not concrete
+                continue
+            if any(None in d for d in used):
+                flops_approx = True
+                flops_unavail |= gi == 0 and not concrete
+            flops += f
+            t = types.get(n.output[0]) or types.get(n.input[0])
+            low += f if t in LOW_TYPES else 0.0
+    ok_flops = inferred and flops > 0 and not flops_unavail
+    out.update(compute_flops=flops if ok_flops else None, compute_flops_low=low if ok_flops else None,
+               compute_fp16_share=low / flops if ok_flops else None, compute_approximate=bool(flops_approx),
+               seconds=round(time.perf_counter() - t0, 4))
+    return out
+
+
+def _size(b: float) -> str:
+    return f"{b / 1e6:.1f} MB" if b >= 1e5 else f"{b / 1e3:.1f} kB"
+
+
+def summary_line(c: dict, target: str = "fp16") -> str:
+    """  cast traffic: 14 Casts, 3.2 MB per inference at Input3:1x1x28x28 (boundary 0.1 MB); 92.3% of
+    Conv/MatMul FLOPs in FP16   ("~" where approximate)."""
+    added = c.get("casts_added")
+    n = f"{c['casts']} Cast{'s' if c['casts'] != 1 else ''}" + (
+        f" ({added} added)" if added is not None and added != c["casts"] else "")
+    at = shapes_label(c["shapes"]) or "no inputs"
+    if c.get("bytes") is None:
+        traffic = f"bytes per inference unavailable at {at} ({c['unavailable']})"
+    else:
+        approx = "~" if c["approximate"] else ""
+        traffic = (f"{approx}{_size(c['bytes'])} per inference at {at} "
+                   f"(boundary {approx}{_size(c['boundary_bytes'])})")
+    if c.get("compute_fp16_share") is None:
+        share = "Conv/MatMul FLOPs share unknown" if c.get("compute_flops") is None and c.get("compute_approximate") \
+            else "no Conv/MatMul FLOPs"
+    else:
+        share = (f"{'~' if c['compute_approximate'] else ''}{100 * c['compute_fp16_share']:.1f}% of "
+                 f"Conv/MatMul FLOPs in {target.upper()}")
+    return f"  cast traffic: {n}, {traffic}; {share}"
