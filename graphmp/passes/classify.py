@@ -172,9 +172,9 @@ def _partners(n, i):
             if j < len(n.inputs if side == "in" else n.outputs)]
 
 
-def _reaches_guard(g, n, consumers) -> str | None:
-    """The first op singular/discontinuous at 0 that n's output reaches through data
-    movement (or a subgraph reading it: unknown use, counted), as 'Op name', else None."""
+def _readers(g, n, consumers):
+    """(tensor, reader) pairs of n's first output and of what data movement (PASS_THROUGH,
+    through its first input) makes of it: whoever reads the value, unchanged but reshaped."""
     users = consumers(g)
     todo, seen = [o for o in n.outputs[:1] if o], set()
     while todo:
@@ -183,13 +183,19 @@ def _reaches_guard(g, n, consumers) -> str | None:
             continue
         seen.add(t)
         for c in users.get(t, ()):
-            if t not in c.inputs:
-                return f"subgraph of {c.op_type} '{c.name}'"
-            for j, x in enumerate(c.inputs):
-                if x == t and ((c.op_type, None) in GUARDED or (c.op_type, j) in GUARDED):
-                    return f"{c.op_type} '{c.name}'"
+            yield t, c
             if c.op_type in PASS_THROUGH and c.inputs and c.inputs[0] == t:
                 todo.extend(o for o in c.outputs if o)
+
+
+def _reaches_guard(g, n, consumers) -> str | None:
+    """The first op singular/discontinuous at 0 that n's output reaches through data
+    movement (or a subgraph reading it: unknown use, counted), as 'Op name', else None."""
+    for t, c in _readers(g, n, consumers):
+        if t not in c.inputs:
+            return f"subgraph of {c.op_type} '{c.name}'"
+        if any(x == t and ((c.op_type, None) in GUARDED or (c.op_type, j) in GUARDED) for j, x in enumerate(c.inputs)):
+            return f"{c.op_type} '{c.name}'"
     return None
 
 
@@ -256,19 +262,7 @@ def _summed_square(g, n, consumers) -> bool:
     if n.op_type != "Mul" or n.domain not in ("", "ai.onnx") or len(n.inputs) != 2 \
             or not n.inputs[0] or n.inputs[0] != n.inputs[1]:
         return False
-    users = consumers(g)
-    todo, seen = [n.outputs[0]], set()
-    while todo:
-        t = todo.pop()
-        if t in seen:
-            continue
-        seen.add(t)
-        for c in users.get(t, ()):
-            if c.op_type in SUM_REDUCTIONS:
-                return True
-            if c.op_type in PASS_THROUGH and c.inputs and c.inputs[0] == t:
-                todo.extend(o for o in c.outputs if o)
-    return False
+    return any(c.op_type in SUM_REDUCTIONS for _, c in _readers(g, n, consumers))
 
 
 RECURRENCE_REASON = ("recurrent state: elementwise math from a Loop/Scan body's carried float state to its next "
