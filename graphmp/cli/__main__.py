@@ -1,0 +1,6 @@
+"""`python -m graphmp.cli`: the `graphmp` command."""
+import sys
+
+from . import main
+
+sys.exit(main())

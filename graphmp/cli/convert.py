@@ -1,0 +1,193 @@
+"""`graphmp convert`: FP32 -> mixed precision."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import GraphmpError
+from .args import (add_calibration, add_external_data, add_max_error, add_metric, add_model_type, add_output,
+                   add_quiet, add_report, add_shapes, add_tolerances, add_validate)
+from .outputs import default_output, refuse_clobber, writable, write_json
+
+EPILOG_CONVERT = """\
+how precision is chosen:
+  fp16   Conv, ConvTranspose, MatMul, Gemm, Einsum, RNNs (what Tensor Cores accelerate)
+  fp32   Softmax, LayerNorm/GroupNorm/InstanceNorm, reductions, Exp/Log/Pow, losses, ...
+  follow/clear ops (Add, Relu, Reshape, ...) take the precision of their neighbourhood,
+  so Casts appear only where an FP16 region meets an FP32 one.
+  A calibration run (your --calibration data, else generated inputs) keeps nodes whose
+  values exceed --range-threshold in FP32; initializers beyond the FP16 range keep
+  their consumers FP32. The report says why every FP32 node is FP32.
+
+examples:
+  graphmp convert model.onnx -o model.mp.onnx
+  graphmp convert model.onnx -o out.onnx --report report.json --validate
+  graphmp convert model.onnx -o out.onnx --calibration batch0.npz batch1.npz
+  graphmp convert model.onnx -o out.onnx --fp32-nodes 'head|classifier' --fp32-ops Sigmoid
+  graphmp convert det.onnx -o det.mp.onnx --calibration page1.npz page2.npz --max-error 1e-2
+  graphmp convert det.onnx -o det.mp.onnx --calibration pages.npz --max-error tf32 --report r.json
+  graphmp convert cls.onnx -o cls.mp.onnx --calibration imgs.npz --metric argmax --max-error 0.001
+  graphmp convert det.onnx -o det.mp.onnx --calibration pages.npz --max-error 1e-2 --save-plan det.plan.json
+  graphmp convert det_v2.onnx -o det_v2.mp.onnx --calibration pages.npz --plan det.plan.json   # no search
+
+accuracy budget (--max-error):
+  The search measures the error FP16-faithfully (FP16 storage, FP32 math, as Tensor Cores
+  do) on the calibration batches, finds which regions of the model cause it, and keeps
+  the cheapest set FP32 that brings every output within the budget. It starts from the
+  most-FP16 plan: nodes only the range rule keeps FP32 (|x| up to 4094) start in FP16 and
+  stay there where the error allows ("given back"). With two batches or more the last
+  one is held back; the plan must also hold on a perturbed copy of the first (shifted one
+  step, x1.01). Progress every 2 s; --search-time S stops with the best plan so far. The
+  report lists every node the search kept FP32, the error it removed and its share of
+  the compute, and the error per batch.
+
+plans you keep (--save-plan, --plan):
+  --save-plan writes the precision chosen for every float node (FP16/BF16 or FP32, and
+  why), the budget and the errors measured. --plan applies it to the same network again
+  (new weights, a re-export that renamed nodes) in about the time of a plain conversion:
+  nodes are matched by name, then by op type and position in the graph; the static rules
+  that make FP16 impossible still win; the output is checked FP16-faithfully on the
+  calibration batches against the plan's budget (--max-error, if given, replaces it).
+  The report names every node the plan missed and every entry that matched nothing.
+"""
+
+
+def _csv(s):
+    return tuple(x for x in s.split(",") if x)
+
+
+def add(sub):
+    c = sub.add_parser("convert", help="FP32 -> mixed precision (FP16 compute, FP32 islands)",
+                       description="Rewrite an FP32 ONNX model to mixed precision by inserting Casts. "
+                       "The input is never modified.", epilog=EPILOG_CONVERT,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("model", help="input FP32 .onnx model (external data is read from its folder)")
+    add_output(c, "output .onnx (default: MODEL.mp.onnx next to the input)")
+    c.add_argument("--target", choices=["fp16", "bf16"], default="fp16", help="low-precision type (default fp16)")
+    c.add_argument("--keep-io-types", dest="keep_io_types", action="store_true", default=True,
+                   help="graph inputs/outputs keep their FP32 types (default)")
+    c.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false",
+                   help="float graph inputs/outputs become the low type")
+    c.add_argument("--fp32-ops", type=_csv, default=(), metavar="OP,OP", help="op types to keep FP32")
+    c.add_argument("--fp32-nodes", metavar="REGEX", help="keep nodes whose name matches FP32")
+    c.add_argument("--fp16-nodes", metavar="REGEX", help="force matching nodes to the low type "
+                   "(wins over the defaults, where the op has a low-precision form)")
+    add_calibration(c, "input batches (.npz, one array per model input) for the range check; default: "
+                    "generated inputs")
+    c.add_argument("--no-calibration", action="store_true", help="skip the calibration run (no range check)")
+    add_shapes(c)
+    c.add_argument("--range-threshold", type=float, default=512.0,
+                   help="keep nodes FP32 whose |values| exceed this in calibration (default 512)")
+    _add_budget(c)
+    add_external_data(c, "when the input had external data or >1.8 GB")
+    add_report(c, "write the full report (every FP32 node and why) as JSON")
+    _add_plans(c)
+    add_validate(c, "afterwards check the output (graphmp check): valid, and every output within --max-error "
+                 "(default: the yardstick of graphmp check, max(1e-2, 2 x the TF32 error, 2 x the FP16-input "
+                 "floor)) FP16-faithfully; exit 1 if not")
+    add_tolerances(c, "--validate: also require |a-b| <= atol + rtol*|ref| everywhere")
+    c.add_argument("--pad-channels", type=int, metavar="N", help="also pad Conv channels and GEMM dims to "
+                   "multiples of N first (see `graphmp pad --help`)")
+    _add_fuse(c)
+    add_quiet(c)
+
+
+def _add_budget(c):
+    """--max-error, --metric, --strict, --search-time: the accuracy budget and its search."""
+    add_max_error(c, "accuracy budget: after the static rules, keep the fewest nodes FP32 that bring the error "
+                  "of every output on the calibration batches within E (measured FP16-faithfully); tf32: within the "
+                  "error TF32 Conv/MatMul already have; floor:K: within K x the error of rounding only the inputs "
+                  "to FP16 (default K=2)", "E|tf32|floor[:K]")
+    add_metric(c, "error for --max-error: max-rel = max|a-b|/max|ref| per output (default), max-abs, or "
+               "argmax = fraction of class predictions that change (class-score outputs)")
+    c.add_argument("--strict", action="store_true", help="exit 1 when --max-error (or the budget of --plan) cannot "
+                   "be met (default: write the best model found and warn)")
+    c.add_argument("--search-time", type=float, metavar="S", help="--max-error: stop the search after about S "
+                   "seconds and write the best plan found so far (said in the summary and the report; the written "
+                   "model is then measured again). Default: no limit; the search prints its progress")
+
+
+def _add_plans(c):
+    """--save-plan and --plan."""
+    c.add_argument("--save-plan", metavar="JSON", help="also write the plan: every float node's precision and "
+                   "why, with the budget and errors measured, keyed so that --plan finds the nodes again in a "
+                   "re-export of the same network")
+    c.add_argument("--plan", metavar="JSON", help="apply a plan saved by --save-plan instead of searching: its "
+                   "precisions replace the static rules' and the search's, except where FP16 is impossible (no FP16 "
+                   "form, integer-derived values, weights beyond FP16, --fp32-nodes); the output is then verified "
+                   "against the plan's budget (or --max-error's) on the calibration batches")
+
+
+def _add_fuse(c):
+    """--fuse ort and --model-type."""
+    c.add_argument("--fuse", metavar="ort", help="first fuse with ONNX Runtime's own transformer optimizer "
+                   "(Attention, SkipLayerNormalization, BiasGelu, ... as com.microsoft ops: fewer, faster kernels "
+                   "on ORT CUDA), then choose precisions on the fused graph. The output then runs on ONNX Runtime "
+                   "ONLY: TensorRT's parser rejects com.microsoft ops, so leave --fuse out for TensorRT (the "
+                   "default output is standard ONNX). Needs sympy: pip install 'graphmp[fuse]'")
+    add_model_type(c, "--fuse ort: the model type of ORT's optimizer (bert, gpt2, vit, clip, t5, ...; default: "
+                   "found from the graph: encoder -> bert, causal decoder -> gpt2, patch-embedding vision model -> "
+                   "vit)")
+
+
+def run(args) -> int:
+    from ..convert import convert
+    out = args.output or default_output(args.model, ".mp.onnx")
+    if args.no_calibration and args.calibration:
+        raise GraphmpError("--calibration and --no-calibration contradict each other; give one")
+    writable(args.report, "--report")
+    writable(args.save_plan, "--save-plan")
+    refuse_clobber([("the output (-o)", out), ("--report", args.report), ("--save-plan", args.save_plan)],
+                   [("the model", args.model)], [("a --calibration file", args.calibration),
+                                                 ("the --plan file", args.plan)])
+    cal = "off" if args.no_calibration else args.calibration
+    rep = convert(args.model, out, target=args.target, keep_io_types=args.keep_io_types,
+                  fp32_ops=args.fp32_ops, fp32_nodes=args.fp32_nodes, fp16_nodes=args.fp16_nodes,
+                  calibration=cal, shapes=args.shapes, range_threshold=args.range_threshold,
+                  max_error=args.max_error, metric=args.metric, strict=args.strict, search_time=args.search_time,
+                  external_data=args.external_data, validate=args.validate, atol=args.atol,
+                  rtol=args.rtol, verbose=not args.quiet, pad_channels=args.pad_channels,
+                  fuse=args.fuse, model_type=args.model_type, plan=args.plan, save_plan=args.save_plan)
+    if args.report:
+        write_json(args.report, rep.to_dict())
+    if not args.quiet:
+        print(rep.summary())
+    return _verdict(args, out, rep.to_dict())
+
+
+def _verdict(args, out: str, d: dict) -> int:
+    """The exit code of a finished conversion: --strict's budget, --validate's result."""
+    if args.strict and d.get("search", {}).get("reached") is False:
+        print(f"graphmp: --max-error {args.max_error} not met (best: {d['search']['error']:.3g} x the budget); "
+              f"{out} holds the best plan found", file=sys.stderr)
+        return 1
+    if args.strict and d.get("plan", {}).get("met") is False:
+        print(f"graphmp: the budget of --plan {args.plan} is not met (error {d['plan']['verified']['normalized']:.3g} "
+              f"x the budget); {out} holds the plan's model", file=sys.stderr)
+        return 1
+    if args.validate and "validation" not in d:
+        print(f"graphmp: --validate skipped: {d.get('validation_skipped', 'nothing was converted')}", file=sys.stderr)
+        return 0
+    if args.validate and not d["validation"]["passed"]:
+        print(f"graphmp: validation FAILED for {out}: {_failed_outputs(d['validation'])}. --max-error makes the "
+              "conversion meet a budget; --calibration with real data finds the ranges your inputs reach.",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _failed_outputs(v: dict) -> str:
+    """What failed in a validation, in words (so -q, which prints no report, still says it)."""
+    if not v["validity"]["valid"]:
+        return f"the model is invalid (onnx.checker: {v['validity']['checker']}; ONNX Runtime: {v['validity']['ort']})"
+    bad = []
+    for name, o in v["outputs"].items():
+        if o["passed"]:
+            continue
+        if o.get("nonfinite"):
+            bad.append(f"'{name}' gains {o['nonfinite']} inf/NaN")
+        elif o.get("error") is not None and o.get("allowed") is not None and o["error"] > o["allowed"]:
+            bad.append(f"'{name}' {v['metric']} {o['error']:.3g} > allowed {o['allowed']:.3g}")
+        else:
+            bad.append(f"'{name}' outside --atol/--rtol somewhere")
+    return "; ".join(bad[:4]) + (f"; and {len(bad) - 4} more outputs" if len(bad) > 4 else "")

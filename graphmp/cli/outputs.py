@@ -1,0 +1,43 @@
+"""What the commands share around their files: default output names, user-named JSON
+outputs, and the checks made before any long work (writable, not an input file)."""
+from __future__ import annotations
+
+import os
+
+
+# graphmp.io imports onnx and numpy (0.3 s): `graphmp --help` and usage errors need neither
+def write_json(path, data):
+    """A user-named JSON output (--report, --json): atomic, or written in place into a
+    FIFO or character device (--report /dev/stdout)."""
+    from ..save import write_json as write
+    return write(path, data, in_place_ok=True)
+
+
+def refuse_clobber(outputs, models=(), files=()):
+    """One line before any work when an output (label, path) is one of the input files:
+    each model in `models` (label, path) with the data files it references, and `files`
+    (label, path or list of paths: calibration, data)."""
+    from ..io import model_inputs
+    from ..paths import refuse_clobber as refuse
+    inputs = []
+    for what, path in models:
+        if path is not None:
+            inputs += model_inputs(what, path)
+    for what, paths in files:
+        if paths is not None and not isinstance(paths, (list, tuple)):
+            paths = [paths]
+        inputs += [(what, p) for p in paths or () if p not in ("auto", "off")]
+    refuse(outputs, inputs)
+
+
+def writable(path, what):
+    """Fail before long work when a user-named text output cannot be written (nothing is
+    written); a FIFO or character device is written in place."""
+    if path:
+        from ..io import check_writable as check
+        check(path, None, what, in_place_ok=True)
+
+
+def default_output(model: str, suffix: str) -> str:
+    """MODEL<suffix> next to the input model (-o left out)."""
+    return os.path.splitext(model)[0] + suffix
