@@ -55,8 +55,10 @@ def tensor_array(t: TensorProto, base_dir: str) -> np.ndarray:
     """The tensor's values (bfloat16 comes back as raw uint16), reading external data
     from `base_dir` without attaching it to the proto."""
     if not is_external(t):
-        if t.data_type == TensorProto.BFLOAT16 and t.raw_data:
-            return np.frombuffer(t.raw_data, dtype=np.uint16).reshape(tuple(t.dims))
+        if t.data_type == TensorProto.BFLOAT16:  # raw bytes, or int32_data (onnx.helper.make_tensor's form)
+            bits = (np.frombuffer(t.raw_data, dtype=np.uint16) if t.raw_data
+                    else np.asarray(t.int32_data, dtype=np.uint16))
+            return bits.reshape(tuple(t.dims))
         return onnx.numpy_helper.to_array(t)
     dtype = np_dtype(t.data_type)
     count = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1

@@ -90,3 +90,18 @@ def test_control_flow_bodies_are_emulated():
         got, orc = runner(emu_model)(feeds), run_reference(conv, feeds)
         for k in orc:
             assert np.abs(got[k] - orc[k].astype(np.float32)).max() <= 2e-3, (name, k)
+
+
+def test_bf16_weights_in_int32_data_keep_their_values():
+    """onnx.helper.make_tensor stores BF16 values in int32_data, not raw_data: the emulation
+    read them as zeros (a false NON-FINITE FAIL in check)."""
+    from onnx import TensorProto, helper, numpy_helper
+    from graphmp.emulate import emulation_model
+    w = helper.make_tensor("w", TensorProto.BFLOAT16, [2, 2], [1.0, 2.0, -3.0, 0.5])
+    assert not w.raw_data and list(w.int32_data)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])], [w])
+    emu = emulation_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    got = {t.name: numpy_helper.to_array(t) for t in emu.graph.initializer}["w"]
+    assert got.dtype == np.float32 and got.ravel().tolist() == [1.0, 2.0, -3.0, 0.5]
