@@ -11,6 +11,8 @@ import json
 import os
 import time
 
+from onnx import TensorProto
+
 from .version import __version__
 from .budget import DEFAULT
 from .cast_cost import cast_traffic, summary_line as cast_summary_line
@@ -25,6 +27,7 @@ from .passes.apply import LowConverter, to_low
 from .plan_read import load as load_plan
 
 MARK_KEY = "graphmp"
+LOW_ELEMS = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
 def sort(ctx) -> PassResult:
@@ -94,7 +97,9 @@ class ConvertReport:
         n = d["nodes"]
         lines = [
             f"{d['source']} -> {d.get('output') or '(in memory)'}  [{d['target']}]",
-            f"  nodes: {n['low']} {d['target']}, {n['fp32']} fp32, {n['other']} non-float; "
+            f"  nodes: {n['low']} {d['target']}, {n['fp32']} fp32, {n['other']} other"
+            + (f" ({n['source_low']} already FP16/BF16 in the source)" if n.get("source_low") else " (non-float)")
+            + "; "
             f"{d['casts_added']} Casts added",
             f"  weights: {d['weight_bytes_before'] / 1e6:.2f} MB -> {d['weight_bytes_after'] / 1e6:.2f} MB",
             f"  calibration: {_calibration_line(d['calibration'])}",
@@ -301,6 +306,8 @@ def _report_nodes(ctx):
             continue
         if info.cls == "none" or (info.cls == "fixed" and not info.reason):
             counts["other"] += 1
+            if any(o and ctx.type_of(g, o) in LOW_ELEMS for o in n.outputs):
+                counts["source_low"] += 1  # low precision already in the source (a mixed or FP16 model)
         elif id(n) in ctx.lowered:
             counts["low"] += 1
         else:
@@ -308,7 +315,8 @@ def _report_nodes(ctx):
             fp32_nodes.append({"name": n.name, "op_type": n.op_type, "graph": g.key,
                                "reason": info.reason or "stays in its FP32 region (an FP32 operand, or no fp16 neighbour)"})
     ctx.report["nodes"] = {"low": counts["low"], "fp32": counts["fp32"], "other": counts["other"],
-                           "total": sum(counts.values())}
+                           "source_low": counts["source_low"],
+                           "total": counts["low"] + counts["fp32"] + counts["other"]}
     ctx.report["fp32_nodes"] = fp32_nodes
     ctx.report["fp32_by_reason"] = dict(collections.Counter(_reason_group(e["reason"]) for e in fp32_nodes).most_common())
     if not counts["low"] and counts["fp32"]:

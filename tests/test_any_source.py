@@ -293,3 +293,18 @@ def test_bench_bf16_inputs_are_one_line_before_any_work(tmp_path, capsys):
     assert source_precision(m)["precision"] == "bf16"
     rc, _, err = _run(["bench", p, *QUICK], capsys)
     assert rc == 2 and "'x' is BF16" in err and "--target bf16" in err
+
+
+def test_convert_counts_the_sources_own_fp16_nodes():
+    """A mixed source's FP16 nodes are counted as such, not as 'non-float'."""
+    import graphmp
+    w = onnx.numpy_helper.from_array(np.ones((4, 4), np.float16), "W")
+    w2 = onnx.numpy_helper.from_array(np.ones((4, 4), np.float32), "W2")
+    g = H.make_graph([H.make_node("MatMul", ["x", "W"], ["a"], name="mm16"),
+                      H.make_node("Cast", ["a"], ["b"], to=T.FLOAT, name="up"),
+                      H.make_node("MatMul", ["b", "W2"], ["y"], name="mm32")], "g",
+                     [H.make_tensor_value_info("x", T.FLOAT16, [1, 4])], [H.make_tensor_value_info("y", T.FLOAT, [1, 4])],
+                     [w, w2])
+    rep = graphmp.convert(H.make_model(g, opset_imports=[H.make_opsetid("", 17)]), None)
+    assert rep["nodes"]["source_low"] == 1 and rep["nodes"]["total"] == 3
+    assert "(1 already FP16/BF16 in the source)" in rep.summary()
