@@ -118,8 +118,9 @@ def _einsum_flops(n, shapes: dict, out_elems: float) -> float | None:
     return 2 * out_elems * float(np.prod(contracted)) if contracted else out_elems
 
 
-def _flops(n, shapes: dict) -> float | None:
-    """Multiply-adds x 2 of a compute node at these (filled) shapes; None without shapes."""
+def compute_flops(n, shapes: dict) -> float | None:
+    """Multiply-adds x 2 of a Conv/ConvTranspose/MatMul/Gemm/Einsum node at these (filled)
+    shapes; None without shapes or for another op (the search's region prices use it too)."""
     out = shapes.get(n.output[0]) if n.output else None
     if out is None:
         return None
@@ -241,7 +242,7 @@ def cast_traffic(model, batch=None, casts_added: int | None = None) -> dict:
         for n in g.node:
             if n.op_type not in COMPUTE_OPS or n.domain not in ("", "ai.onnx"):
                 continue
-            f = _flops(n, filled)
+            f = compute_flops(n, filled)
             used = [shapes[x][0] for x in list(n.output[:1]) + list(n.input[:2]) if x in shapes]
             if f is None:
                 flops_approx = True

@@ -16,6 +16,7 @@ import onnx
 from onnx import TensorProto
 
 from .. import ops
+from ..cast_cost import compute_flops
 from .paint import float_edges
 
 MAX_REGIONS = 48
@@ -88,20 +89,13 @@ def node_costs(ctx, batch) -> tuple[dict, bool]:
 
 
 def _flops(n, shapes: dict) -> float | None:
+    """graphmp.cast_cost's FLOPs of a compute node; other ops (and a compute node whose
+    weight shape is unknown) cost their output elements."""
     out = shapes.get(n.output[0]) if n.output else None
     if out is None:
         return None
-    elems = float(np.prod(out)) if out else 1.0
-    w = shapes.get(n.input[1]) if len(n.input) > 1 else None
-    a = shapes.get(n.input[0]) if n.input else None
-    if n.op_type == "Conv" and w:
-        return 2 * elems * float(np.prod(w[1:]))
-    if n.op_type == "ConvTranspose" and w and a:
-        return 2 * float(np.prod(a)) * float(np.prod(w[1:]))
-    if n.op_type in ("MatMul", "Gemm") and a:
-        trans_a = next((x.i for x in n.attribute if x.name == "transA"), 0)
-        return 2 * elems * float(a[-2] if trans_a and len(a) > 1 else a[-1])
-    return elems
+    c = compute_flops(n, shapes)
+    return c if c is not None else (float(np.prod(out)) if out else 1.0)
 
 
 def _weight_bytes(ctx, g, n) -> int:
