@@ -7,10 +7,12 @@ and rounds the same way (to nearest even; overflow to inf; checked bit for bit i
 tests/test_speed.py). The facts are one small ONNX graph run on blocks of BLOCK
 elements, so the temporaries stay block-sized whatever the tensor. classify computes
 them once per weight (graphmp.passes.classify.InitStats), and the write only casts.
-BF16 goes through numpy (ONNX Runtime's FP32 -> BF16 rounding has varied by version).
+BF16 goes through ml_dtypes (ONNX Runtime's FP32 -> BF16 rounding has varied by version):
+to_bf16_bits / from_bf16_bits, the one FP32 <-> BF16 conversion of graphmp.
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 from onnx import TensorProto, helper
 
@@ -18,6 +20,20 @@ BLOCK = 1 << 16  # 256 kB of float32: each op's output stays in cache (measured 
 FP16_TINY = 2.0 ** -24          # smallest FP16 subnormal
 FP16_MAX = 65504.0
 _SESSIONS: dict = {}
+
+
+def to_bf16_bits(a) -> np.ndarray:
+    """float values -> bfloat16 bit patterns (uint16), rounded to nearest even (ml_dtypes),
+    every NaN as the one quiet NaN 0x7FC0 (ml_dtypes keeps a NaN's sign)."""
+    with np.errstate(invalid="ignore"):  # a signalling NaN sets the invalid flag
+        bits = np.ascontiguousarray(a, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+    bits[(bits & 0x7FFF) > 0x7F80] = 0x7FC0
+    return bits
+
+
+def from_bf16_bits(bits) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32 (exact)."""
+    return np.ascontiguousarray(bits, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def _node(op, ins, outs, **kw):

@@ -55,6 +55,7 @@ import numpy as np
 from .errors import GraphmpError
 from .inputs import dims_text, parse_shapes
 from .io import load_model, model_inputs
+from .kernels import from_bf16_bits, to_bf16_bits
 from .save import atomic_write
 from .paths import check_target, refuse_clobber
 
@@ -139,19 +140,6 @@ def storage_dtype(dt, tensor: str):
                            f"numpy (supported: {', '.join(_STORAGE)}); keep this model's inputs and outputs "
                            "in one of those types")
     return _STORAGE[name]
-
-
-def to_bf16_bits(a) -> np.ndarray:
-    """float values -> bfloat16 bit patterns (uint16), rounded to nearest even, NaN kept NaN."""
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    u = a.view(np.uint32).astype(np.uint64)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(a), np.uint16(0x7FC0), rounded).astype(np.uint16)
-
-
-def from_bf16_bits(bits) -> np.ndarray:
-    """bfloat16 bit patterns (uint16) -> float32 (exact)."""
-    return (np.ascontiguousarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def host_array(value, dt, tensor: str) -> np.ndarray:

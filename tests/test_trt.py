@@ -183,6 +183,33 @@ def test_bf16_rounding_is_nearest_even():
     assert err.max() <= 2 ** -8 * (1 + 1e-6)   # half an ulp of an 8-bit significand
 
 
+def test_bf16_bits_are_ml_dtypes_with_one_nan():
+    """graphmp.kernels' BF16 conversion is ml_dtypes' rounding, except that every NaN
+    (either sign, quiet or signalling, any payload) becomes 0x7FC0, without a warning;
+    back to float32 is exact for all 65536 patterns."""
+    import warnings
+
+    import ml_dtypes
+    u = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FA00000, 0x7FFFFFFF,  # NaNs
+                  0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x7F7F7FFF, 0x7F7F8000,              # inf, near max
+                  0x3F808000, 0x3F818000, 0xBF808000, 0x00008000, 0x00018000, 0x00000001,  # ties, subnormals
+                  0x80000000, 0x00000000, 0x3F807FFF, 0x3F808001], np.uint32)
+    x = u.view(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bits = gtrt.to_bf16_bits(x)
+    nan = np.isnan(x)
+    assert bits.dtype == np.uint16 and (bits[nan] == 0x7FC0).all()
+    with np.errstate(invalid="ignore"):
+        want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(bits[~nan], want[~nan])
+    assert list(bits[~nan][:5]) == [0x7F80, 0xFF80, 0x7F80, 0x7F7F, 0x7F80]  # max rounds to inf
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    back = gtrt.from_bf16_bits(every)
+    assert back.dtype == np.float32
+    np.testing.assert_array_equal(back.view(np.uint32), every.astype(np.uint32) << 16)
+
+
 def test_shape_tensor_input_gets_host_memory_before_shapes_are_inferred(tmp_path, standin):
     trt = standin(shape_tensors=("s",))
     res = gtrt.build_engine(_reshape(tmp_path / "r.onnx"), shapes={"x": (2, 6)})

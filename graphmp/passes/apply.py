@@ -23,7 +23,7 @@ from onnx import TensorProto, helper
 
 from ..context import FLOAT
 from ..io import CONVERT_MARK, is_external, tensor_array
-from ..kernels import to_fp16, to_fp16_noting
+from ..kernels import from_bf16_bits, to_bf16_bits, to_fp16, to_fp16_noting
 from . import PassResult
 SUFFIX = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}
 
@@ -34,10 +34,8 @@ BLOCK = 1 << 18  # elements per block of the BF16 path: its temporaries stay in 
 
 def _bf16_block(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(BF16 bits, their float32 value) of a float32 block, rounded to nearest even."""
-    bits = x.view(np.uint32).astype(np.uint64)
-    y = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    y = np.where(np.isnan(x), np.uint16(0x7FC0), y)
-    return y, (y.astype(np.uint32) << 16).view(np.float32)
+    y = to_bf16_bits(x)
+    return y, from_bf16_bits(y)
 
 
 def convert_noting(arr: np.ndarray, low: int) -> tuple[memoryview, dict | None]:
