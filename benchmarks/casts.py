@@ -13,8 +13,10 @@ Converters:
                 batches the error is measured on. --graphmp-root PATH adds a second
                 graphmp row ("graphmp before") that imports graphmp from PATH/graphmp.
   occ           onnxconverter-common float16.convert_float_to_float16(model, keep_io_types=True)
-  autocast      ModelOpt AutoCast when --autocast-python (a modelopt venv's python,
-                benchmarks/setup_autocast.sh) is given and exists; else "not available".
+  autocast      ModelOpt AutoCast (keep_io_types, CPU reference run, calibrated on the first
+                batch) when --autocast-python (a modelopt venv's python, default
+                /work/venv-modelopt/bin/python from benchmarks/setup_autocast.sh) exists;
+                else "not available". It runs in that venv via _autocast_runner.py.
 
 Inputs: graphmp.inputs.find_shapes (as `graphmp check` does: declared dims, dynamic dims
 tried until ONNX Runtime runs), batches plan.feeds(0) and plan.feeds(1). Every
@@ -43,6 +45,7 @@ REPO = HERE.parent
 # PYTHONPATH first (a --graphmp-root child imports that checkout's graphmp), then this checkout
 sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO)]
 
+RESULT_TAG = "@@RESULT "  # the line _autocast_runner.py prints its result on
 EXTRA = ["/tmp/rm/ddddocr_ocr.onnx", "/tmp/rm/magika.onnx", "/tmp/rm/ppocrv4_rec.onnx"]
 
 
@@ -84,11 +87,13 @@ def run_child(cmd: list, timeout: float, env=None) -> dict:
         return {"ok": False, "error": f"timeout after {timeout:.0f} s", "wall_s": time.perf_counter() - t0}
     out = {"wall_s": time.perf_counter() - t0}
     last = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
-    if p.returncode == 0 and last.startswith("{"):
-        out.update(ok=True, **json.loads(last))
+    last = last[len(RESULT_TAG):] if last.startswith(RESULT_TAG) else last  # _autocast_runner's tagged line
+    res = json.loads(last) if p.returncode == 0 and last.startswith("{") else None
+    if res is not None and res.get("ok", True):
+        out.update(ok=True, **{k: v for k, v in res.items() if k != "ok"})
     else:
-        err = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
-        out.update(ok=False, error=f"exit {p.returncode}: {err[:300]}")
+        err = (res or {}).get("error") or (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+        out.update(ok=False, error=f"exit {p.returncode}: {str(err)[:300]}")
     return out
 
 
@@ -166,12 +171,20 @@ def bench_model(path: str, args, work: Path, log) -> dict:
         jobs.append(("graphmp before", "graphmp", args.graphmp_root))
     jobs.append(("graphmp after" if args.graphmp_root else "graphmp", "graphmp", str(REPO)))
     jobs.append(("occ", "occ", None))
+    autocast = bool(args.autocast_python and os.path.exists(args.autocast_python))
+    if autocast:
+        jobs.append(("autocast", "autocast", None))
     for label, tool, root in jobs:
         dst = mdir / (label.replace(" ", "_") + ".onnx")
         env = dict(os.environ)
         if root:
             env["PYTHONPATH"] = os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH")) if x)
-        cmd = [sys.executable, str(HERE / "casts.py"), "--_child", tool, path, str(dst), *files]
+        if tool == "autocast":  # its own venv; calibrated on the first batch, as graphmp is on both
+            cmd = [args.autocast_python, str(HERE / "_autocast_runner.py"), path, str(dst),
+                   "--options", json.dumps({"calibration_data": files[0]})]
+            env.pop("PYTHONPATH", None)
+        else:
+            cmd = [sys.executable, str(HERE / "casts.py"), "--_child", tool, path, str(dst), *files]
         c = run_child(cmd, args.timeout, env=env)
         row = {"convert": c}
         if c.get("ok"):
@@ -184,8 +197,8 @@ def bench_model(path: str, args, work: Path, log) -> dict:
         log(f"{name:22s} {label:15s} {row['status'] if not c.get('ok') else ''}"
             f"casts={ct.get('casts')} MB={_mb(ct.get('bytes'))} fp16={_pct(ct.get('compute_fp16_share'))} "
             f"ort={row.get('ort_load', {}).get('ok')} err={_err(row.get('max_error'))}")
-    out["rows"]["autocast"] = {"status": "not available" if not args.autocast_python
-                               or not os.path.exists(args.autocast_python) else "not run by this script"}
+    if not autocast:
+        out["rows"]["autocast"] = {"status": "not available"}
     return out
 
 
@@ -256,6 +269,11 @@ def totals(results: list, labels: list) -> dict:
         out["ratio_after_over_before"] = paired(g, "graphmp before")
     out["ratio_graphmp_over_occ"] = paired(g, "occ")
     out["ratio_graphmp_over_occ_where_occ_loads"] = paired(g, "occ", usable=True)
+    if "autocast" in labels:
+        out["ratio_graphmp_over_autocast"] = paired(g, "autocast", usable=True)
+        out["models_over_2x_autocast"] = [
+            r["model"] for r in results if "rows" in r and mb(r, g) is not None and mb(r, "autocast")
+            and mb(r, g) > 2 * mb(r, "autocast") and mb(r, g) - 2 * mb(r, "autocast") > 1e5]
     return out
 
 
@@ -291,19 +309,23 @@ def main(argv=None) -> int:
         print(s, file=sys.stderr, flush=True)
     results = [bench_model(m, args, work, log) for m in models]
     labels = (["graphmp before", "graphmp after"] if args.graphmp_root else ["graphmp"]) + ["occ"]
+    if args.autocast_python and os.path.exists(args.autocast_python):
+        labels.append("autocast")
     tot = totals(results, labels)
     print("cells: Casts / MB moved per inference / FP16 share of Conv-MatMul FLOPs / max emulated error\n")
     print(table(results, labels))
     print()
     for lb in labels:
         print(f"total {lb}: {tot[lb]['casts']} Casts, {tot[lb]['mb']:.2f} MB over {tot[lb]['models']} models")
-    for k in ("ratio_after_over_before", "ratio_graphmp_over_occ", "ratio_graphmp_over_occ_where_occ_loads"):
+    if "models_over_2x_autocast" in tot:
+        print(f"models above 2x AutoCast's bytes (and 0.1 MB over): {tot['models_over_2x_autocast'] or 'none'}")
+    for k in ("ratio_after_over_before", "ratio_graphmp_over_occ", "ratio_graphmp_over_occ_where_occ_loads",
+              "ratio_graphmp_over_autocast"):
         if k in tot:
             t = tot[k]
             r = "-" if t["ratio"] is None else f"{t['ratio']:.3f}"
             print(f"{k}: {r} ({t['numerator_mb']:.2f} / {t['denominator_mb']:.2f} MB, {t['models']} models)")
-    auto = "not available" if not os.path.exists(args.autocast_python) else "not run by this script"
-    print(f"autocast: {auto}")
+    auto = "not available" if not os.path.exists(args.autocast_python) else args.autocast_python
     if args.json:
         Path(args.json).write_text(json.dumps({"graphmp_root": args.graphmp_root, "models": results,
                                                "totals": tot, "autocast": auto}, indent=1, default=str))

@@ -10,7 +10,7 @@ from onnx import TensorProto
 
 from .errors import GraphmpError
 from .ir import Graph, Names
-from .ops import LOW_TYPES, PAD_MULTIPLES
+from .ops import LOW_TYPES, NORM_IO, PAD_MULTIPLES
 
 
 @dataclass
@@ -23,7 +23,8 @@ class Options:
     fp16_nodes: str | None = None
     calibration: object = None          # None/"auto", "off", path(s) or list of feed dicts
     shapes: object = None               # --shapes for generated calibration/validation inputs
-    range_threshold: float = 512.0
+    range_threshold: float | None = None  # None: auto (classify.RANGE_NEAR_NORM / RANGE_HEADROOM)
+    norm_io: str = "softmax"            # --norm-io: which FP32-class ops between FP16 work read/write FP16 (ops.NORM_IO)
     external_data: bool | None = None
     pad_channels: int | None = None
     max_error: object = None            # --max-error: a number, "tf32" or "floor[:K]"
@@ -51,9 +52,15 @@ class Options:
         o.fp32_ops = tuple(o.fp32_ops or ())
         if o.target not in LOW_TYPES:
             raise GraphmpError(f"--target must be one of {', '.join(sorted(LOW_TYPES))}, not '{o.target}'")
-        if not (isinstance(o.range_threshold, (int, float)) and o.range_threshold > 0):
+        if o.range_threshold is not None and not (isinstance(o.range_threshold, (int, float))
+                                                  and o.range_threshold > 0):
             raise GraphmpError(f"--range-threshold must be a positive number (the |x| above which a node "
-                               f"stays FP32; default 512), not {o.range_threshold}")
+                               f"stays FP32; default: 512 on the way into a subtraction or "
+                               f"normalisation, 4094 elsewhere), not {o.range_threshold}")
+        if o.norm_io not in NORM_IO:
+            raise GraphmpError(f"--norm-io must be one of {', '.join(NORM_IO)} (softmax: Softmax and LogSoftmax between "
+                               f"FP16 work read and write FP16; all: LayerNormalization too; fp32: none), "
+                               f"not '{o.norm_io}'")
         for flag, v in (("--atol", o.atol), ("--rtol", o.rtol)):
             if v is not None and not (isinstance(v, (int, float)) and v >= 0):
                 raise GraphmpError(f"{flag} must be a number >= 0, not {v}")

@@ -118,6 +118,8 @@ class ConvertReport:
             lines.append("  kept FP32:")
             for reason, count in d["fp32_by_reason"].items():
                 lines.append(f"    {count:5d}  {reason}")
+        if d.get("range_rule", {}).get("note"):
+            lines.append(f"  range rule: {d['range_rule']['note']}")
         if "padding" in d:
             from .pad import summarize
             lines.append(summarize(d["padding"]))
@@ -319,11 +321,30 @@ def _report_nodes(ctx):
                            "total": counts["low"] + counts["fp32"] + counts["other"]}
     ctx.report["fp32_nodes"] = fp32_nodes
     ctx.report["fp32_by_reason"] = dict(collections.Counter(_reason_group(e["reason"]) for e in fp32_nodes).most_common())
+    ctx.report["range_rule"] = _range_rule(ctx, fp32_nodes)
+    ctx.report["norm_io"] = {"policy": ctx.options.norm_io, "lowered": sorted(
+        n.name for g, n in ctx.nodes() if ctx.info.get(id(n)) is not None and ctx.info[id(n)].cls == "norm"
+        and id(n) in ctx.lowered)}
     if not counts["low"] and counts["fp32"]:
         why = "; ".join(f"{n} {r}" for r, n in list(ctx.report["fp32_by_reason"].items())[:3])
         ctx.warn(f"nothing was converted: all {counts['fp32']} float nodes stay FP32 ({why}), so the output "
                  f"computes as the source does; --fp16-nodes REGEX forces nodes to {ctx.options.target.upper()} "
                  "where the op has a low-precision form")
+
+
+def _range_rule(ctx, fp32_nodes) -> dict:
+    """What decided rule 6 (classify): the nodes it kept FP32, the threshold, and the data
+    the ranges came from; generated inputs are named, since real inputs may be wider or
+    narrower (the decision is then a guess: --calibration with real inputs makes it)."""
+    kept = [e["name"] for e in fp32_nodes if e["reason"].startswith("range:")]
+    source = (ctx.report.get("calibration") or {}).get("source", "off")
+    out = {"nodes": len(kept), "data": source,
+           "threshold": ctx.options.range_threshold if ctx.options.range_threshold is not None else
+           "auto: 512 on the way into a subtraction or normalisation, 4094 elsewhere (16x below FP16's max)"}
+    if kept and source == "generated inputs":
+        out["note"] = (f"{len(kept)} node(s) kept FP32 by ranges seen on generated inputs, not your data; "
+                       "--calibration with real inputs decides it on the values the model will see")
+    return out
 
 
 def _validate(report, ref, converted, opts):

@@ -28,6 +28,17 @@ FP32_OPS = frozenset({
     "NonMaxSuppression", "RoiAlign", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss",
     "LpNormalization", "MeanVarianceNormalization", "LRN", "Hardmax",
 })
+# FP32-class ops that may read and write the low type where they sit between low-precision
+# work (classify's "norm" class, --norm-io): their kernels accumulate in FP32 and round
+# once (ONNX Runtime CPU and CUDA, TensorRT; LayerNormalization's stash_type=1 says so in
+# the spec), so an FP32 island around them buys only the rounding of an output the next
+# FP16 op rounds anyway, at the price of two Casts of the full tensor. Measured
+# (benchmarks/norm_io.py): Softmax islands buy nothing; LayerNormalization islands keep a
+# post-LN encoder's residual stream FP32 (BERT: 2.5x lower error), so LayerNormalization
+# goes low only with --norm-io all.
+NORM_IO = {"softmax": frozenset({"Softmax", "LogSoftmax"}),
+           "all": frozenset({"Softmax", "LogSoftmax", "LayerNormalization"}),
+           "fp32": frozenset()}
 FOLLOW_OPS = frozenset({
     "Add", "Sub", "Mul", "Div", "Sqrt", "Erf", "Gelu", "Sigmoid", "Tanh", "AveragePool",
     "GlobalAveragePool", "BatchNormalization", "Resize", "Upsample", "Where", "Clip",
@@ -63,6 +74,9 @@ KEEP_INPUTS = {
 LOW_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 # Channel/GEMM padding multiples graphmp accepts (8: FP16 Tensor Cores; 64: A100/H100 tiles).
 PAD_MULTIPLES = (2, 4, 8, 16, 32, 64, 128)
+# integer types whose every value FP16 and BF16 hold exactly (|x| <= 255): a Cast to FLOAT
+# from them (a one-hot, a mask) may cast to the low type directly
+EXACT_IN_LOW = frozenset({TensorProto.BOOL, TensorProto.INT8, TensorProto.UINT8})
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE)
 TYPE_STR = {v: f"tensor({k.lower()})" for k, v in TensorProto.DataType.items() if v}
 STR_TYPE = {s: v for v, s in TYPE_STR.items()}
@@ -83,6 +97,14 @@ MS_OP_CLASS = {
     "BiasGelu": "follow", "FastGelu": "follow", "Gelu": "follow", "QuickGelu": "follow",
 }  # each has a reference in graphmp.fused_ops (the oracle); ops without an ORT CPU kernel (BiasAdd,
 #    GemmFastGelu, ...) have none and stay FP32
+
+
+def norm_io(node, mode: str) -> bool:
+    """Under --norm-io `mode`, the node may read and write the low type between
+    low-precision work (a LayerNormalization only with stash_type 1: FP32 statistics)."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in NORM_IO[mode]:
+        return False
+    return node.op_type != "LayerNormalization" or node.attr("stash_type") in (None, 1)
 
 
 def op_class(op_type: str, domain: str) -> str:

@@ -1,5 +1,6 @@
 """The --max-error search starts from the most-FP16 plan the hard rules allow: nodes that
-only the static range rule (|x| > --range-threshold in calibration) keeps FP32 start in
+only the static range rule (|x| > --range-threshold in calibration; 512 here, one
+threshold for every node, as the auto rule has near a subtraction) keeps FP32 start in
 FP16 and stay there when the measured error allows ("given back"); up to 16x headroom
 below FP16's max (classify.GIVE_BACK_RANGE); beyond it the rule stays a hard one."""
 import numpy as np
@@ -40,7 +41,7 @@ def _mlp(peak: float, cancel: bool = False, seed: int = 0) -> onnx.ModelProto:
 
 def _widest(peak: float) -> float:
     """The range the rule saw on 'wide' (from its static reason)."""
-    reason = graphmp.convert(_mlp(peak), None).fp32_nodes["wide"]
+    reason = graphmp.convert(_mlp(peak), None, range_threshold=512).fp32_nodes["wide"]
     return float(reason.split("reached ")[1].split(" ")[0])
 
 
@@ -52,10 +53,10 @@ def _error(src, conv, seed=7) -> float:
 
 def test_range_rule_is_given_back_where_the_budget_allows():
     src = _mlp(700)
-    static = graphmp.convert(src, None)
+    static = graphmp.convert(src, None, range_threshold=512)
     assert static.fp32_nodes["wide"].startswith("range:")  # the rule fires without a budget
     assert 512 < _widest(700) <= GIVE_BACK_RANGE
-    rep = graphmp.convert(src, None, max_error="1e-2")
+    rep = graphmp.convert(src, None, max_error="1e-2", range_threshold=512)
     assert "wide" not in rep.fp32_nodes and "head" not in rep.fp32_nodes
     back = {e["node"]: e["range_rule"] for e in rep["search"]["given_back"]}
     assert set(back) >= {"wide", "relu", "head"} and back["wide"].startswith("range:")
@@ -66,14 +67,14 @@ def test_range_rule_is_given_back_where_the_budget_allows():
 def test_beyond_the_headroom_the_range_rule_stays_hard():
     src = _mlp(20000)
     assert _widest(20000) > GIVE_BACK_RANGE
-    rep = graphmp.convert(src, None, max_error="1e-2")
+    rep = graphmp.convert(src, None, max_error="1e-2", range_threshold=512)
     assert rep.fp32_nodes["wide"].startswith("range:")
     assert not rep["search"].get("given_back")
 
 
 def test_a_candidate_that_breaks_the_budget_is_kept_fp32_with_both_reasons():
     src = _mlp(700, cancel=True)
-    rep = graphmp.convert(src, None, max_error="1e-2")
+    rep = graphmp.convert(src, None, max_error="1e-2", range_threshold=512)
     kept = {k: v for k, v in rep.fp32_nodes.items() if k.startswith("head_")}
     assert kept, rep.fp32_nodes  # the cancelling MatMuls cannot be FP16 at this budget
     assert all(v.startswith("search:") and "range: |r| reached" in v for v in kept.values()), kept
@@ -84,14 +85,15 @@ def test_a_candidate_that_breaks_the_budget_is_kept_fp32_with_both_reasons():
 def test_cli_summary_names_the_given_back_nodes(tmp_path, capsys):
     src = tmp_path / "mlp.onnx"
     onnx.save(_mlp(700), src)
-    assert main(["convert", str(src), "-o", str(tmp_path / "out.onnx"), "--max-error", "1e-2"]) == 0
+    assert main(["convert", str(src), "-o", str(tmp_path / "out.onnx"), "--max-error", "1e-2",
+                 "--range-threshold", "512"]) == 0
     out = capsys.readouterr().out
     assert "given back: 3 node(s) the range rule" in out, out
 
 
 def test_search_time_keeps_the_best_plan_so_far_and_says_so():
     src = _mlp(700, cancel=True)
-    rep = graphmp.convert(src, None, max_error="1e-3", search_time=1e-6)
+    rep = graphmp.convert(src, None, max_error="1e-3", search_time=1e-6, range_threshold=512)
     s = rep["search"]
     assert "--search-time" in s["out_of_time"] and any("--search-time" in w for w in rep["warnings"])
     # nothing within budget was measured before the time ran out: every candidate stays FP32,
@@ -104,7 +106,7 @@ def test_search_time_keeps_the_best_plan_so_far_and_says_so():
 @pytest.mark.skipif(not cuda_available(), reason="needs onnxruntime-gpu and a CUDA GPU")
 def test_the_written_model_is_also_measured_on_ort_cuda():
     src = _mlp(700, cancel=True)
-    s = graphmp.convert(src, None, max_error="1e-2")["search"]
+    s = graphmp.convert(src, None, max_error="1e-2", range_threshold=512)["search"]
     v = s["verified_ort_cuda"]
     assert set(v["errors"]) == {"y"} and v["normalized"] == pytest.approx(v["errors"]["y"] / s["budget"]["allowed"]["y"])
 

@@ -15,9 +15,11 @@ how precision is chosen:
   fp32   Softmax, LayerNorm/GroupNorm/InstanceNorm, reductions, Exp/Log/Pow, losses, ...
   follow/clear ops (Add, Relu, Reshape, ...) take the precision of their neighbourhood,
   so Casts appear only where an FP16 region meets an FP32 one.
+  Softmax/LogSoftmax between FP16 work read and write FP16 (--norm-io).
   A calibration run (your --calibration data, else generated inputs) keeps nodes whose
   values exceed --range-threshold in FP32; initializers beyond the FP16 range keep
-  their consumers FP32. The report says why every FP32 node is FP32.
+  their consumers FP32. The report says why every FP32 node is FP32, and what the
+  Casts cost per inference.
 
 examples:
   graphmp convert model.onnx -o model.mp.onnx
@@ -76,8 +78,13 @@ def add(sub):
                     "generated inputs")
     c.add_argument("--no-calibration", action="store_true", help="skip the calibration run (no range check)")
     add_shapes(c)
-    c.add_argument("--range-threshold", type=float, default=512.0,
-                   help="keep nodes FP32 whose |values| exceed this in calibration (default 512)")
+    c.add_argument("--range-threshold", type=float, default=None, metavar="T",
+                   help="keep nodes FP32 whose |values| exceed T in calibration (default: 512 on the way into a "
+                        "subtraction or normalisation, where rounding cancels; 4094 elsewhere, 16x below FP16's max)")
+    c.add_argument("--norm-io", choices=("softmax", "all", "fp32"), default="softmax",
+                   help="FP32-class ops that read and write FP16 where they sit between FP16 work (their kernels "
+                        "accumulate in FP32): softmax (default) Softmax/LogSoftmax; all: LayerNormalization too "
+                        "(fewer Casts, a post-LN encoder's residual stream in FP16); fp32: none")
     _add_budget(c)
     add_external_data(c, "when the input had external data or >1.8 GB")
     add_report(c, "write the full report (every FP32 node and why) as JSON")
@@ -143,7 +150,7 @@ def run(args) -> int:
     cal = "off" if args.no_calibration else args.calibration
     rep = convert(args.model, out, target=args.target, keep_io_types=args.keep_io_types,
                   fp32_ops=args.fp32_ops, fp32_nodes=args.fp32_nodes, fp16_nodes=args.fp16_nodes,
-                  calibration=cal, shapes=args.shapes, range_threshold=args.range_threshold,
+                  calibration=cal, shapes=args.shapes, range_threshold=args.range_threshold, norm_io=args.norm_io,
                   max_error=args.max_error, metric=args.metric, strict=args.strict, search_time=args.search_time,
                   external_data=args.external_data, validate=args.validate, atol=args.atol,
                   rtol=args.rtol, verbose=not args.quiet, pad_channels=args.pad_channels,

@@ -10,6 +10,9 @@ Guarantees:
 - a consumer that needs the FP32 value of a tensor whose producer is FP32 reads it
   directly (no FP16 round trip); a Cast(FP16->FP32) in the source followed by a need
   for FP16 reads the FP16 value itself;
+- a source Cast to FP32 from a type the low type holds exactly (BOOL, INT8, UINT8: a
+  one-hot or mask) whose every reader wants the low type casts to it directly (one Cast
+  that writes 2 bytes per element instead of two that move 4 + 4 + 2);
 - float initializers read in low precision are converted offline: in place when every
   consumer wants the low type, else as a second copy; external tensors are converted
   while streaming the output (save.save_model);
@@ -21,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
+from .. import ops
 from ..context import FLOAT
 from ..io import CONVERT_MARK, is_external, tensor_array
 from ..kernels import from_bf16_bits, to_bf16_bits, to_fp16, to_fp16_noting
@@ -191,6 +195,25 @@ class Rewriter:
         return dst.name
 
 
+def _retarget_exact_casts(ctx, rw, graphs, needs):
+    """Cast(to=FLOAT) from BOOL/INT8/UINT8 whose every reader wants the low type (and that
+    is no graph output) casts to the low type itself: the values are the same, the FP32
+    copy and the Cast after it disappear."""
+    wants = {}
+    for g, n, i, x, want in needs:
+        wants.setdefault((g.owner_of(x).key if g.owner_of(x) is not None else g.key, x), set()).add(want)
+    for g in graphs:
+        for n in g.nodes:
+            if n.op_type != "Cast" or n.attr("to") != FLOAT or not n.outputs or n.outputs[0] in g.output_names:
+                continue
+            y = n.outputs[0]
+            if ctx.type_of(g, n.inputs[0]) in ops.EXACT_IN_LOW and wants.get((g.key, y)) == {ctx.low}:
+                for a in n.proto.attribute:
+                    if a.name == "to":
+                        a.i = ctx.low
+                rw.produced[(g.key, y)] = ctx.low
+
+
 def apply(ctx):
     rw = Rewriter(ctx)
     low = ctx.low
@@ -277,7 +300,8 @@ def apply(ctx):
             rw.casts_added += 1
             rw.cache[(g.key, y, declared)] = y
 
-    # 5. rewire every consumer
+    # 5. source Casts from exact types straight to the low type; then rewire every consumer
+    _retarget_exact_casts(ctx, rw, graphs, needs)
     for g, n, i, x, want in needs:
         n.proto.input[i] = rw.get(g, x, want)
 

@@ -13,7 +13,9 @@ reason recorded) when any of these hold, in this order of precedence:
   3. it is a custom/unknown op, has no low-precision form at this opset, or touches a
      tensor whose type could not be proven;
   4. it is a Cast producing FP32 from integers (shape arithmetic, element counts that
-     can exceed 65504) or from FP16 (a deliberate FP32 island in the source);
+     can exceed 65504; not from BOOL/INT8/UINT8, whose values FP16 holds exactly: apply
+     casts those straight to FP16 where every reader wants it) or from FP16 (a
+     deliberate FP32 island in the source);
      it is INT8 work of a Q/DQ model: it reads a DequantizeLinear output or feeds a
      QuantizeLinear (TensorRT and ONNX Runtime fuse DQ -> op -> Q into INT8 kernels; a
      Cast inside that unit would break the fusion and move quantization buckets);
@@ -22,10 +24,16 @@ reason recorded) when any of these hold, in this order of precedence:
      value is at least 2^-11 of the scale it meets, its own max |x| and, when added, the
      calibrated max |x| of the other operand; or the sum reaches a divisor, Sqrt, Log or
      a comparison, where an epsilon guards against 0);
-  6. calibration saw a value above the range threshold on one of its float tensors (with
+  6. calibration saw a value above the range threshold on one of its float tensors
+     (--range-threshold, else 512 where the value reaches a subtraction or normalisation
+     through follow/clear nodes, where FP16 rounding cancels, and 4094 elsewhere: 16x
+     headroom below FP16's max; the report names the data that decided it) (with
      --max-error, up to GIVE_BACK_RANGE, it is only a candidate: ctx.range_candidates,
      and the search decides by the measured error);
-  7. its op class is fp32 (reductions, Softmax, normalisations, Exp/Log, ...);
+  7. its op class is fp32 (reductions, Softmax, normalisations, Exp/Log, ...); the ops
+     --norm-io names (default softmax: Softmax, LogSoftmax; all: LayerNormalization too)
+     get the class "norm" instead: paint lowers them only where both their input and
+     their output are low-precision work (their kernels accumulate in FP32, ops.NORM_IO);
   8. it squares a tensor (Mul(x, x)) whose squares are summed (ReduceSum/ReduceMean, through
      data movement), as Pow already is by its class: a variance taken as E[x^2] - E[x]^2
      (Flax's LayerNorm, exported by jax2tf) cancels everything but the FP16 rounding of
@@ -315,17 +323,62 @@ def _recurrence_nodes(ctx, g, users: dict) -> set:
     return out
 
 
-def _range_reason(ctx, g, n) -> tuple[str | None, float]:
+# Rule 6's thresholds when --range-threshold is not given. Large values lose nothing
+# relative to themselves in FP16; they cost precision where an op subtracts them from
+# something of the same size (a Sub, a normalisation's mean: x ~ 3000 with a spread of 10
+# keeps 1.5 significant bits of the difference; a style-transfer net's InstanceNorms give
+# 10x the error at 4094), and range where they come near FP16's max (overflow to inf).
+# So: 512 on the way into a subtraction (the AutoCast-style threshold), elsewhere 16x
+# headroom below FP16's max.
+RANGE_CANCELS = 512.0
+RANGE_HEADROOM = 16
+SUBTRACTING = frozenset({"Sub", "ReduceMean", "InstanceNormalization", "LayerNormalization", "GroupNormalization",
+                         "MeanVarianceNormalization"})
+CANCEL_WALK = 8   # follow/clear steps searched from a node's outputs for a subtraction
+
+
+def _reaches_subtraction(g, n, consumers) -> bool:
+    """n's outputs reach a subtracting op (SUBTRACTING: Sub, a mean, a normalisation's
+    data input) through at most CANCEL_WALK follow/clear nodes."""
+    users = consumers(g)
+    todo, seen = [(o, 0) for o in n.outputs if o], set()
+    while todo:
+        t, depth = todo.pop()
+        for c in users.get(t, ()):
+            if c.op_type in SUBTRACTING and (c.op_type == "Sub" or (c.inputs and c.inputs[0] == t)):
+                return True
+            if depth < CANCEL_WALK and id(c) not in seen and ops.op_class(c.op_type, c.domain) in ("follow", "clear"):
+                seen.add(id(c))
+                todo.extend((o, depth + 1) for o in c.outputs if o)
+    return False
+
+
+def range_threshold(ctx, g, n, consumers) -> float:
+    """The |x| above which rule 6 keeps n FP32: --range-threshold when given, else
+    RANGE_CANCELS on the way into a subtraction and FP16_MAX / RANGE_HEADROOM elsewhere."""
+    if ctx.options.range_threshold is not None:
+        return ctx.options.range_threshold
+    return RANGE_CANCELS if _reaches_subtraction(g, n, consumers) else FP16_MAX / RANGE_HEADROOM
+
+
+def _range_reason(ctx, g, n, consumers) -> tuple[str | None, float]:
     """(rule 6's reason or None, the widest |x| calibration saw on the node's float tensors)."""
     reason, widest = None, 0.0
+    user = ctx.options.range_threshold
+    limit = user  # auto: found on the first value above RANGE_CANCELS (the walk costs)
     for x in list(n.inputs) + list(n.outputs):
         owner = g.owner_of(x) if x else None
         r = ctx.ranges.get((owner.key if owner is not None else g.key, x))
         if r is None or ctx.type_of(g, x) != FLOAT:
             continue
         widest = max(widest, r)
-        if reason is None and r > ctx.options.range_threshold:
-            reason = f"range: |{x}| reached {_fmt(r)} in calibration (threshold {_fmt(ctx.options.range_threshold)})"
+        if limit is None and r > RANGE_CANCELS:
+            limit = range_threshold(ctx, g, n, consumers)
+        if reason is None and limit is not None and r > limit:
+            why = ("" if user is not None else
+                   ", on the way into a subtraction" if limit == RANGE_CANCELS else
+                   ", beyond FP16's max" if r > FP16_MAX else f", only {FP16_MAX / r:.1f}x below FP16's max")
+            reason = f"range: |{x}| reached {_fmt(r)} in calibration (threshold {_fmt(limit)}{why})"
     return reason, widest
 
 
@@ -350,7 +403,7 @@ def classify(ctx):
                 src = ctx.type_of(g, n.inputs[0])
                 if src in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
                     info.cls, info.reason = "fp32", "deliberate FP32 island in the source (Cast from FP16)"
-                elif src not in (FLOAT, TensorProto.DOUBLE):
+                elif src not in (FLOAT, TensorProto.DOUBLE, *ops.EXACT_IN_LOW):
                     info.cls, info.reason = "fp32", "integer-derived value (Cast to FLOAT from integers) may exceed the FP16 range"
             continue
         forced16 = bool(fp16_re and fp16_re.search(n.name))
@@ -381,13 +434,16 @@ def classify(ctx):
                 if info.reason:
                     break
         if info.reason is None and ctx.ranges:
-            reason, widest = _range_reason(ctx, g, n)
+            reason, widest = _range_reason(ctx, g, n, consumers)
             if reason and opt.max_error is not None and widest <= GIVE_BACK_RANGE:
                 ctx.range_candidates[id(n)] = reason  # the search measures it in FP16 first
             elif reason:
                 info.reason = reason
         if info.reason is None and cls == "fp32":
-            info.reason = f"{n.op_type} is range-sensitive (FP32 op class)"
+            if ops.norm_io(n, opt.norm_io):
+                info.cls = "norm"  # paint lowers it only between low-precision work
+            else:
+                info.reason = f"{n.op_type} is range-sensitive (FP32 op class)"
         if info.reason is None and _summed_square(g, n, consumers):
             info.reason = SQUARE_REASON
         if info.reason is None and cls == "follow" and id(n) in recurrences(g):

@@ -5,17 +5,23 @@ its I/O keep their declared types). Named steps, in order:
   1. islands:  nodes after a source Cast(FP16->FP32) up to the next Cast stay FP32
                (deliberate FP32 islands of an already mixed model);
   2. deny:     FP32 spreads forward from FP32 nodes through follow/clear nodes that
-               lead into FP32 or follow work (deny -> Add -> LayerNorm keeps the Add FP32);
-  3. between:  follow/clear nodes on a path between two fp16 nodes become fp16
+               lead into FP32 or follow work (deny -> Add -> LayerNorm keeps the Add FP32),
+               except that it stops at a join: a follow node that also reads FP16 work
+               (the residual Add of an FP32 branch and a conv's output) and does not
+               lead into FP32 work is left to the FP16 steps, saving two Casts for one;
+  3. between:  follow/clear/norm nodes on a path between two fp16 nodes become fp16
                (an embedding Gather from a float initializer counts as fp16 work);
+               a norm node (Softmax, LogSoftmax; LayerNormalization with --norm-io
+               all) becomes fp16 only here: FP16 in and out, FP32 inside the kernel;
   4. after:    follow/clear nodes whose float inputs all come from fp16 work (or are
                constants) become fp16: widest wins, an FP32 operand keeps them FP32;
   5. clear:    clear nodes connected to fp16 nodes through clear nodes become fp16.
-Everything else keeps its FP32 type. Casts then appear only where a painted region
-meets an FP32 one.
+Everything else keeps its FP32 type (a norm node left out gets its FP32 reason). Casts
+then appear only where a painted region meets an FP32 one.
 
 Needs: ctx.info (classify). Guarantees: ctx.lowered holds id(node) of every node that
-runs in the low type; nothing else changes.
+runs in the low type; the nodes step 2 marks and the norm nodes left FP32 get their
+reason in ctx.info (class fp32).
 """
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ from . import PassResult
 
 ISLAND = "inside a deliberate FP32 island of the source model"
 SPREAD = "FP32 spread from an FP32 neighbour ({})"
+NORM_KEPT = ("{} is range-sensitive (FP32 op class); --norm-io lowers it only between FP16 work, and its "
+             "input or output is FP32 here")
 
 
 def float_edges(ctx, g):
@@ -74,6 +82,30 @@ def _reach(starts, nbrs, ok):
     return seen
 
 
+def _joins(nodes, pred, kind, reach) -> set:
+    """ids of the follow nodes where FP32 from a deny node meets FP16 work: a node reached
+    by the spread that also reads a tensor of allow work (directly or through clear nodes,
+    not itself reached by the spread), e.g. the residual Add of conv(x) + fp32_branch(x).
+    Computing it in FP32 would cast the FP16 operand up and the sum back down for the FP16
+    work after it; in FP16 only the FP32 operand is cast (one rounding of a value the next
+    FP16 op rounds anyway). A join that leads into FP32 work stays FP32 (step 2's
+    deny -> ... -> deny rule), as the residual stream into a LayerNorm does."""
+    low = {id(n) for n in nodes if kind(n) == "allow"}
+    todo = [n for n in nodes if id(n) in low]
+    succ_clear = {}
+    for n in nodes:
+        for p in pred[id(n)]:
+            succ_clear.setdefault(id(p), []).append(n)
+    while todo:
+        n = todo.pop()
+        for m in succ_clear.get(id(n), ()):
+            if kind(m) == "clear" and id(m) not in low:
+                low.add(id(m))
+                todo.append(m)
+    return {id(m) for m in reach.values() if kind(m) == "infer"
+            and any(id(p) in low and id(p) not in reach for p in pred[id(m)])}
+
+
 def paint_graph(ctx, g):
     info = ctx.info
     nodes = [n for n in g.nodes if info[id(n)].cls != "none"]
@@ -83,7 +115,7 @@ def paint_graph(ctx, g):
         i = info[id(n)]
         if i.reason:
             return "deny"
-        return {"fp16": "allow", "follow": "infer", "clear": "clear"}.get(i.cls, "barrier")
+        return {"fp16": "allow", "follow": "infer", "clear": "clear", "norm": "norm"}.get(i.cls, "barrier")
 
     # 1. islands
     island_starts = [n for n in nodes if n.op_type == "Cast" and info[id(n)].reason and "island" in info[id(n)].reason]
@@ -91,10 +123,14 @@ def paint_graph(ctx, g):
         if not info[id(m)].reason:
             info[id(m)].reason = ISLAND
 
-    # 2. deny forward through infer/clear into deny/infer
+    # 2. deny forward through infer/clear into deny/infer; a join stops the spread
     deny = {id(n): n for n in nodes if kind(n) == "deny"}
-    reach = _reach(deny.values(), succ, lambda m: kind(m) in ("infer", "clear"))
-    ends = [m for m in reach.values() if kind(m) == "infer" or any(id(s) in deny for s in succ[id(m)])]
+    free = lambda m: kind(m) in ("infer", "clear", "norm")  # noqa: E731
+    reach = _reach(deny.values(), succ, free)
+    joins = _joins(nodes, pred, kind, reach)
+    spread = _reach(deny.values(), succ, lambda m: free(m) and id(m) not in joins)
+    ends = [m for m in spread.values() if kind(m) in ("infer", "norm")]
+    ends += [m for m in reach.values() if any(id(s) in deny for s in succ[id(m)])]  # deny -> ... -> deny
     marked = {id(m): m for m in ends}
     marked.update(_reach(ends, pred, lambda m: id(m) in reach))
     for m in marked.values():
@@ -108,7 +144,6 @@ def paint_graph(ctx, g):
         owner = g.owner_of(n.inputs[0]) if n.op_type == "Gather" else None
         return owner is not None and n.inputs[0] in owner.initializers
     allow = {id(n): n for n in nodes if kind(n) == "allow" or (kind(n) == "clear" and embedding(n))}
-    free = lambda m: kind(m) in ("infer", "clear")  # noqa: E731
     down = _reach(allow.values(), succ, free)
     up = _reach(allow.values(), pred, free)
     allow.update({k: v for k, v in down.items() if k in up})
@@ -119,7 +154,7 @@ def paint_graph(ctx, g):
     while changed:
         changed = False
         for n in nodes:
-            if id(n) in allow or not free(n):
+            if id(n) in allow or kind(n) not in ("infer", "clear"):
                 continue
             ps = pred[id(n)]
             if ps and id(n) not in fp32_in and all(id(p) in allow for p in ps):
@@ -130,6 +165,9 @@ def paint_graph(ctx, g):
     both = {k: succ[k] + pred[k] for k in succ}
     allow.update(_reach(list(allow.values()), both, is_clear))
     ctx.lowered.update(allow)
+    for n in nodes:  # a norm node not between low-precision work is an FP32 island, as its class says
+        if kind(n) == "norm" and id(n) not in allow:
+            info[id(n)].cls, info[id(n)].reason = "fp32", NORM_KEPT.format(n.op_type)
 
 
 def paint(ctx):
