@@ -20,26 +20,7 @@ import sys
 import time
 import traceback
 
-
-def _vmhwm():
-    """Peak RSS of this process image (VmHWM; unlike ru_maxrss it is reset by exec, so it
-    does not inherit the parent's RSS through fork)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _rss_now():
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return None
+from common import RESULT_TAG, rss_now, vmhwm  # this script's folder is on sys.path
 
 
 def main():
@@ -60,7 +41,7 @@ def main():
             p: md.version(p) for p in ("nvidia-modelopt", "onnx", "onnxruntime", "numpy")
         }
         res["import_s"] = time.perf_counter() - t0
-        res["rss_after_import_bytes"] = _rss_now()
+        res["rss_after_import_bytes"] = rss_now()
         kw = dict(low_precision_type="fp16", keep_io_types=True, providers=["cpu"])
         kw.update(json.loads(a.options))
         t1 = time.perf_counter()
@@ -76,9 +57,9 @@ def main():
     except BaseException as e:  # noqa: BLE001 - a failure is a result
         res["error"] = f"{type(e).__name__}: {e}"[:2000]
         res["traceback"] = traceback.format_exc()[-4000:]
-    res["peak_rss_bytes"] = _vmhwm() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    res["peak_rss_bytes"] = vmhwm() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sys.stdout.flush()
-    print("@@RESULT " + json.dumps(res, default=str), flush=True)
+    print(RESULT_TAG + json.dumps(res, default=str), flush=True)
 
 
 if __name__ == "__main__":

@@ -26,23 +26,20 @@ import glob
 import json
 import math
 import os
-import platform
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
 
+from common import (DEFAULT_AUTOCAST_PY, clean_floats, emit, err, json_default, load_npz, machine_info,
+                    record_failure, rss_now, run_child, tool_availability, vmhwm)
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 ALL_TOOLS = ("graphmp", "occ", "autocast")
-DEFAULT_AUTOCAST_PY = os.environ.get("AUTOCAST_PYTHON", "/work/venv-modelopt/bin/python")
-RESULT_TAG = "@@RESULT "
 SCHEMA_VERSION = 1
 # Input shapes for models whose symbolic dims make the generated default (batch 1, other
 # symbolic dims 16) meaningless; keyed by file stem, then input name. --shape overrides.
@@ -54,71 +51,6 @@ DEFAULT_SHAPES = {
 
 
 # --------------------------------------------------------------------------- helpers
-def _vmhwm():
-    """Peak RSS of this process image (VmHWM; unlike ru_maxrss it is reset by exec, so it
-    does not inherit the parent's RSS through fork)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _rss_now():
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return None
-
-
-def _emit(res):
-    sys.stdout.flush()
-    print(RESULT_TAG + json.dumps(res, default=_json_default), flush=True)
-
-
-def _json_default(o):
-    try:
-        import numpy as np
-
-        if isinstance(o, np.integer):
-            return int(o)
-        if isinstance(o, np.floating):
-            return float(o)
-        if isinstance(o, np.ndarray):
-            return o.tolist()
-    except ImportError:
-        pass
-    if isinstance(o, (set, tuple)):
-        return list(o)
-    if isinstance(o, Path):
-        return str(o)
-    return str(o)
-
-
-def _clean_floats(o):
-    """Strict JSON: inf/nan -> strings."""
-    if isinstance(o, float):
-        if math.isnan(o):
-            return "nan"
-        if math.isinf(o):
-            return "inf" if o > 0 else "-inf"
-        return o
-    if isinstance(o, dict):
-        return {k: _clean_floats(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean_floats(v) for v in o]
-    return o
-
-
-def _err(e: BaseException) -> str:
-    msg = f"{type(e).__name__}: {e}".strip()
-    return msg[:2000]
-
-
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -376,13 +308,6 @@ def compare(ref: dict, got: dict, floor: float = 1e-2, tol: float = 1e-2) -> dic
             "argmax_agree_min": min_agree, "within_tol": all_ok, "outputs": outs}
 
 
-def _load_npz(path):
-    import numpy as np
-
-    with np.load(path, allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
-
-
 def _save_npz(path, d):
     import numpy as np
 
@@ -397,7 +322,7 @@ def worker_convert(tool, src, dst, options):
         if tool == "graphmp":
             graphmp = _import_graphmp()
             res["import_s"] = time.perf_counter() - t0
-            res["rss_after_import_bytes"] = _rss_now()
+            res["rss_after_import_bytes"] = rss_now()
             kw = dict(target="fp16", keep_io_types=True)
             kw.update(options)
             t1 = time.perf_counter()
@@ -406,14 +331,14 @@ def worker_convert(tool, src, dst, options):
             try:
                 res["tool_report"] = rep.to_dict()
             except Exception as e:  # noqa: BLE001
-                res["tool_report"] = {"error": _err(e)}
+                res["tool_report"] = {"error": err(e)}
             res["version"] = getattr(graphmp, "__version__", None)
         elif tool == "occ":
             import onnx
             from onnxconverter_common.float16 import convert_float_to_float16
 
             res["import_s"] = time.perf_counter() - t0
-            res["rss_after_import_bytes"] = _rss_now()
+            res["rss_after_import_bytes"] = rss_now()
             kw = dict(keep_io_types=True)
             kw.update(options)
             t1 = time.perf_counter()
@@ -429,12 +354,12 @@ def worker_convert(tool, src, dst, options):
             raise ValueError(f"unknown tool {tool}")
         res["ok"] = True
     except BaseException as e:  # noqa: BLE001 - a failure is a result
-        res["error"] = _err(e)
+        res["error"] = err(e)
         res["traceback"] = traceback.format_exc()[-4000:]
     import resource
 
-    res["peak_rss_bytes"] = _vmhwm() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    _emit(res)
+    res["peak_rss_bytes"] = vmhwm() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    emit(res)
 
 
 def _with_input_shapes(model, shapes: dict):
@@ -480,9 +405,9 @@ def worker_ref(src, workdir, seed, shapes=None):
         res["outputs"] = {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in outs.items()}
         res["ok"] = True
     except BaseException as e:  # noqa: BLE001
-        res["error"] = _err(e)
+        res["error"] = err(e)
         res["traceback"] = traceback.format_exc()[-4000:]
-    _emit(res)
+    emit(res)
 
 
 def worker_eval(path, inputs_npz, out_npz):
@@ -494,12 +419,12 @@ def worker_eval(path, inputs_npz, out_npz):
     try:
         res["nodes"] = classify_nodes(onnx.load(path, load_external_data=False))
     except BaseException as e:  # noqa: BLE001
-        res["nodes"] = {"error": _err(e)}
+        res["nodes"] = {"error": err(e)}
     try:
         onnx.checker.check_model(path, full_check=True)
         res["checker"] = {"ok": True, "error": None}
     except BaseException as e:  # noqa: BLE001
-        res["checker"] = {"ok": False, "error": _err(e)}
+        res["checker"] = {"ok": False, "error": err(e)}
     ortres = {"load_ok": False, "run_ok": False, "error": None}
     try:
         import onnxruntime as ort
@@ -511,17 +436,17 @@ def worker_eval(path, inputs_npz, out_npz):
         del sess
         if inputs_npz == "-":
             raise RuntimeError("not run: no generated inputs for this model (see fp32_reference)")
-        feeds = _load_npz(inputs_npz)
+        feeds = load_npz(inputs_npz)
         t = time.perf_counter()
         outs = run_ort(path, feeds)
         ortres["run_s"] = time.perf_counter() - t
         _save_npz(out_npz, outs)
         ortres["run_ok"] = True
     except BaseException as e:  # noqa: BLE001
-        ortres["error"] = _err(e)
+        ortres["error"] = err(e)
     res["ort"] = ortres
     res["oracle_impl"] = impl
-    _emit(res)
+    emit(res)
 
 
 def worker_oracle(path, inputs_npz, out_npz):
@@ -529,17 +454,17 @@ def worker_oracle(path, inputs_npz, out_npz):
     _, run_reference, _, impl = _oracle_funcs()
     res["impl"] = impl
     try:
-        feeds = _load_npz(inputs_npz)
+        feeds = load_npz(inputs_npz)
         t = time.perf_counter()
         outs = run_reference(path, feeds)
         res["time_s"] = time.perf_counter() - t
         _save_npz(out_npz, outs)
         res["ok"] = True
     except BaseException as e:  # noqa: BLE001
-        res["error"] = _err(e)
+        res["error"] = err(e)
         res["traceback"] = traceback.format_exc()[-4000:]
-    res["peak_rss_bytes"] = _vmhwm()
-    _emit(res)
+    res["peak_rss_bytes"] = vmhwm()
+    emit(res)
 
 
 def worker_main(argv):
@@ -557,162 +482,8 @@ def worker_main(argv):
 
 
 # --------------------------------------------------------------------------- subprocess runner (parent side)
-def run_child(cmd, timeout, log_prefix=None) -> dict:
-    """Run cmd in a new process group; return rc, wall time, peak RSS (wait4 ru_maxrss),
-    the parsed @@RESULT JSON and stderr tail. Never raises for child failure."""
-    out = tempfile.TemporaryFile()
-    err = tempfile.TemporaryFile()
-    t0 = time.perf_counter()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    p = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                         start_new_session=True, env=env, cwd=str(REPO))
-    timed_out = threading.Event()
-
-    def kill():
-        timed_out.set()
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    timer = threading.Timer(timeout, kill)
-    timer.start()
-    try:
-        while True:
-            try:
-                _, status, ru = os.wait4(p.pid, 0)
-                break
-            except InterruptedError:
-                continue
-    finally:
-        timer.cancel()
-    wall = time.perf_counter() - t0
-    rc = os.waitstatus_to_exitcode(status)
-    p.returncode = rc
-    try:  # reap stragglers in the group
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    out.seek(0)
-    err.seek(0)
-    stdout = out.read().decode("utf-8", "replace")
-    stderr = err.read().decode("utf-8", "replace")
-    out.close()
-    err.close()
-    result = None
-    for line in stdout.splitlines():
-        if line.startswith(RESULT_TAG):
-            try:
-                result = json.loads(line[len(RESULT_TAG):])
-            except json.JSONDecodeError:
-                pass
-    crash = None
-    if timed_out.is_set():
-        crash = f"timeout after {timeout:.0f} s (killed)"
-    elif rc < 0:
-        try:
-            crash = f"crashed with signal {signal.Signals(-rc).name}"
-        except ValueError:
-            crash = f"crashed with signal {-rc}"
-    elif result is None:
-        crash = f"exited {rc} without a result"
-    return {"rc": rc, "wall_s": wall, "peak_rss_bytes": ru.ru_maxrss * 1024,
-            "timed_out": timed_out.is_set(), "crash": crash, "result": result,
-            "stderr_tail": (stderr[-1500:] if (crash or (result and not result.get("ok", True))) else None)}
-
-
-def record_failure(row: dict, child: dict, result: dict) -> bool:
-    """When a conversion child (run_child) crashed, timed out or reported failure, put
-    status, error and traceback (or stderr tail) into the row; True when it did."""
-    if not child["crash"] and result.get("ok"):
-        return False
-    row["status"] = "timeout" if child["timed_out"] else ("crashed" if child["crash"] else "failed")
-    row["error"] = "; ".join(x for x in (child["crash"], result.get("error")) if x) or None
-    if result.get("traceback"):
-        row["traceback"] = result["traceback"]
-    elif child.get("stderr_tail"):
-        row["stderr_tail"] = child["stderr_tail"]
-    return True
-
-
 def _self_cmd(*args):
     return [sys.executable, str(Path(__file__).resolve()), "_worker", *map(str, args)]
-
-
-# --------------------------------------------------------------------------- availability + machine info
-def tool_availability(tools, autocast_py) -> dict:
-    av = {}
-    for t in tools:
-        if t == "graphmp":
-            r = subprocess.run([sys.executable, "-c",
-                                "import sys; sys.path.insert(0, sys.argv[1]); import graphmp; graphmp.convert;"
-                                "print(getattr(graphmp, '__version__', ''))", str(REPO)],
-                               capture_output=True, text=True)
-            av[t] = {"ok": r.returncode == 0, "version": r.stdout.strip() or None,
-                     "error": None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]}
-        elif t == "occ":
-            try:
-                import importlib.metadata as md
-
-                av[t] = {"ok": True, "version": md.version("onnxconverter-common"), "error": None}
-            except Exception as e:  # noqa: BLE001
-                av[t] = {"ok": False, "version": None, "error": _err(e)}
-        elif t == "autocast":
-            if not (autocast_py and os.path.exists(autocast_py)):
-                av[t] = {"ok": False, "version": None,
-                         "error": f"AutoCast venv python not found ({autocast_py}); run benchmarks/setup_autocast.sh"}
-                continue
-            code = ("import json, importlib.metadata as md, importlib.util as u;"
-                    "assert u.find_spec('modelopt.onnx.autocast'), 'modelopt.onnx.autocast not importable';"
-                    "print(json.dumps({p: md.version(p) for p in "
-                    "('nvidia-modelopt','onnx','onnxruntime','numpy','torch')}))")
-            r = subprocess.run([autocast_py, "-c", code], capture_output=True, text=True)
-            if r.returncode == 0:
-                vs = json.loads(r.stdout)
-                av[t] = {"ok": True, "version": vs.get("nvidia-modelopt"), "versions": vs, "error": None,
-                         "python": autocast_py}
-            else:
-                av[t] = {"ok": False, "version": None, "python": autocast_py,
-                         "error": (r.stderr.strip().splitlines() or ["?"])[-1]}
-    return av
-
-
-def machine_info() -> dict:
-    import importlib.metadata as md
-
-    cpu = platform.processor() or None
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem = None
-    try:
-        import psutil
-
-        mem = psutil.virtual_memory().total
-    except Exception:  # noqa: BLE001
-        pass
-    pkgs = {}
-    for p in ("onnx", "onnxruntime", "onnxconverter-common", "numpy", "protobuf", "psutil", "ml_dtypes"):
-        try:
-            pkgs[p] = md.version(p)
-        except md.PackageNotFoundError:
-            pkgs[p] = None
-    git = {}
-    for key, args in (("commit", ["rev-parse", "HEAD"]), ("status", ["status", "--porcelain"])):
-        try:
-            r = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=20)
-            git[key] = r.stdout.strip() if r.returncode == 0 else None
-        except Exception:  # noqa: BLE001
-            git[key] = None
-    git["dirty"] = bool(git.pop("status", None))
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "memory_bytes": mem,
-            "platform": platform.platform(), "python": sys.version.split()[0],
-            "python_executable": sys.executable, "packages": pkgs, "git": git}
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -781,7 +552,7 @@ def bench_tool(tool, src, workdir: Path, args, avail) -> dict:
     row["ort"] = er.get("ort") or {"load_ok": False, "run_ok": False, "error": e["crash"]}
     ref_npz = workdir / "ref.npz"
     if row["ort"].get("run_ok") and ref_npz.exists():
-        row["ort"]["metrics"] = compare(_load_npz(ref_npz), _load_npz(tdir / "ort.npz"), args.tol, args.tol)
+        row["ort"]["metrics"] = compare(load_npz(ref_npz), load_npz(tdir / "ort.npz"), args.tol, args.tol)
 
     # FP16-faithful oracle
     orc = {"status": None, "error": None}
@@ -803,7 +574,7 @@ def bench_tool(tool, src, workdir: Path, args, avail) -> dict:
             orc["error"] = o["crash"] or orr.get("error")
         else:
             orc["status"] = "ok"
-            orc["metrics"] = compare(_load_npz(ref_npz), _load_npz(tdir / "oracle.npz"), args.tol, args.tol)
+            orc["metrics"] = compare(load_npz(ref_npz), load_npz(tdir / "oracle.npz"), args.tol, args.tol)
     row["oracle"] = orc
     if not args.keep:
         for f in ("ort.npz", "oracle.npz"):
@@ -818,7 +589,7 @@ def bench_model(path, key, workdir: Path, tools, args, avail, log) -> tuple[dict
             os.path.getsize(f) for f in glob.glob(str(Path(path).parent / "*"))
             if f.endswith((".data", ".bin", ".weights")) and Path(f).stem.startswith(Path(path).stem))
     except OSError as e:
-        info["error"] = _err(e)
+        info["error"] = err(e)
     workdir.mkdir(parents=True, exist_ok=True)
     shapes = dict(DEFAULT_SHAPES.get(Path(path).stem, {})) if not args.no_default_shapes else {}
     for spec in args.shape:
@@ -857,7 +628,7 @@ def bench_model(path, key, workdir: Path, tools, args, avail, log) -> tuple[dict
             fl["error"] = o["crash"] or orr.get("error")
         else:
             fl["status"] = "ok"
-            fl["metrics"] = compare(_load_npz(workdir / "ref.npz"), _load_npz(workdir / "oracle_fp32.npz"),
+            fl["metrics"] = compare(load_npz(workdir / "ref.npz"), load_npz(workdir / "oracle_fp32.npz"),
                                     args.tol, args.tol)
     info["oracle_fp32_floor"] = fl
     rows = []
@@ -866,7 +637,7 @@ def bench_model(path, key, workdir: Path, tools, args, avail, log) -> tuple[dict
         try:
             row = bench_tool(tool, path, workdir, args, avail)
         except Exception as e:  # noqa: BLE001 - the harness itself must not die
-            row = {"tool": tool, "status": "harness-error", "error": _err(e),
+            row = {"tool": tool, "status": "harness-error", "error": err(e),
                    "traceback": traceback.format_exc()[-4000:]}
         row = {"model": key, **row}
         base = info.get("nodes") or {}
@@ -1031,7 +802,7 @@ def main(argv=None):
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(_clean_floats(doc), indent=1, default=_json_default, allow_nan=False))
+    tmp.write_text(json.dumps(clean_floats(doc), indent=1, default=json_default, allow_nan=False))
     os.replace(tmp, out)
     table = markdown_table(rows, model_infos)
     if args.markdown:

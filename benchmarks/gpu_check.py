@@ -176,6 +176,7 @@ def numerics(name, src, converted, batch, provider, shapes=None) -> dict:
     on `provider` with TF32 on as the yardstick), one generated batch."""
     import onnx
     from graphmp.inputs import find_shapes
+    from graphmp.session import ran_on
     ref_sess = _session(src, [CPU])
     model = onnx.load(src, load_external_data=False)
     plan = find_shapes(model, lambda f: ref_sess.run(None, f), shapes, where=src)
@@ -183,15 +184,15 @@ def numerics(name, src, converted, batch, provider, shapes=None) -> dict:
     names = [o.name for o in ref_sess.get_outputs()]
     ref = dict(zip(names, ref_sess.run(None, feeds)))
     cand_sess = _session(converted, [provider, CPU] if provider == CUDA else [CPU], tf32=False)
-    ran_on = cand_sess.get_providers()[0]
+    got = ran_on(cand_sess)
     cand = dict(zip(names, cand_sess.run(names, feeds)))
     yard = {}
     if provider == CUDA:
         yard = dict(zip(names, _session(src, [CUDA, CPU], tf32=True).run(names, feeds)))
-    res = {"model": name, "inputs": plan.describe(batch if plan.batch_free else None), "ran_on": ran_on,
-           "outputs": {}, "passed": ran_on == provider}
-    if ran_on != provider:
-        res["error"] = f"the converted model's session came up on {ran_on}, not {provider}"
+    res = {"model": name, "inputs": plan.describe(batch if plan.batch_free else None), "ran_on": got,
+           "outputs": {}, "passed": got == provider}
+    if got != provider:
+        res["error"] = f"the converted model's session came up on {got}, not {provider}"
     for n in names:
         m = output_metrics(ref[n], cand[n], n)
         m["tf32_error"] = output_metrics(ref[n], yard[n], n)["error"] if n in yard else None

@@ -113,12 +113,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 # PYTHONPATH first (--graphmp-root hands the conversion children another checkout's graphmp
-# that way), then convert.py's helpers, this checkout's graphmp, documents and corpus
+# that way), then the benchmarks' shared helpers (common.py), this checkout's graphmp,
+# documents and corpus
 sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [
     str(HERE), str(REPO), str(REPO / "models")]
 
-from convert import (DEFAULT_AUTOCAST_PY, _clean_floats, _emit, _err, _json_default, _load_npz,  # noqa: E402
-                     _vmhwm, machine_info, record_failure, run_child, tool_availability)
+from common import (DEFAULT_AUTOCAST_PY, clean_floats, emit, err, json_default, load_npz,  # noqa: E402
+                    machine_info, record_failure, run_child, tool_availability, vmhwm)
 
 ALL_TOOLS = ("graphmp", "graphmp-budget", "occ-amp", "autocast")
 AVAILABILITY_KEY = {"graphmp": "graphmp", "graphmp-budget": "graphmp", "occ-amp": "occ", "autocast": "autocast"}
@@ -647,13 +648,13 @@ def worker_reference(src, cal, held, out_dir):
         run = runner(src, optimize=False)
         for stem, paths in (("ref_cal", cal), ("ref_held", held)):
             for i, p in enumerate(paths):
-                np.savez(Path(out_dir) / f"{stem}{i}.npz", **run(_load_npz(p)))
-        res["structure"] = structure(src, _load_npz(cal[0]))
+                np.savez(Path(out_dir) / f"{stem}{i}.npz", **run(load_npz(p)))
+        res["structure"] = structure(src, load_npz(cal[0]))
         res["ok"] = True
     except BaseException as e:  # noqa: BLE001 - a failure is a result
-        res["error"] = _err(e)
+        res["error"] = err(e)
         res["traceback"] = traceback.format_exc()[-4000:]
-    _emit(res)
+    emit(res)
 
 
 def worker_convert(tool, src, dst, options):
@@ -684,10 +685,10 @@ def worker_convert(tool, src, dst, options):
             raise ValueError(f"unknown tool {tool}")
         res["ok"] = True
     except BaseException as e:  # noqa: BLE001 - a failure is a result
-        res["error"] = _err(e)
+        res["error"] = err(e)
         res["traceback"] = traceback.format_exc()[-4000:]
-    res["peak_rss_bytes"] = _vmhwm()
-    _emit(res)
+    res["peak_rss_bytes"] = vmhwm()
+    emit(res)
 
 
 def _occ_amp(src, dst, options) -> dict:
@@ -706,7 +707,7 @@ def _occ_amp(src, dst, options) -> dict:
 
     t1 = time.perf_counter()
     with open(options["log"], "w", buffering=1) as log, redirect_stdout(log):
-        out = auto_convert_mixed_precision(onnx.load(src), _load_npz(options["feed"]),
+        out = auto_convert_mixed_precision(onnx.load(src), load_npz(options["feed"]),
                                            validate_fn=within_budget, keep_io_types=True)
     onnx.save(out, dst)
     return {"import_s": import_s, "time_s": time.perf_counter() - t1}
@@ -724,29 +725,29 @@ def worker_evaluate(path, src, cal, held, ref_dir):
         onnx.checker.check_model(path, full_check=True)
         res["checker"]["ok"] = True
     except BaseException as e:  # noqa: BLE001
-        res["checker"]["error"] = _err(e)
+        res["checker"]["error"] = err(e)
     ort_cpu = None
     try:
         ort_cpu = runner(path)
         res["ort_load"]["ok"] = True
     except BaseException as e:  # noqa: BLE001
-        res["ort_load"]["error"] = _err(e)
+        res["ort_load"]["error"] = err(e)
     try:
-        res["structure"] = structure(path, _load_npz(cal[0]))
+        res["structure"] = structure(path, load_npz(cal[0]))
     except BaseException as e:  # noqa: BLE001
-        res["structure"] = {"error": _err(e)}
+        res["structure"] = {"error": err(e)}
     try:
         emu = emulated_runner(path)
         runs = [("calibration", "ref_cal", cal, emu), ("held_out", "ref_held", held, emu)]
         runs += [("ort_cpu_calibration", "ref_cal", cal, ort_cpu)] if ort_cpu else []
         for key, stem, paths, run in runs:
-            refs = [_load_npz(Path(ref_dir) / f"{stem}{i}.npz") for i in range(len(paths))]
-            res["errors"][key] = errors(refs, [run(_load_npz(p)) for p in paths], METRIC)
+            refs = [load_npz(Path(ref_dir) / f"{stem}{i}.npz") for i in range(len(paths))]
+            res["errors"][key] = errors(refs, [run(load_npz(p)) for p in paths], METRIC)
             res["errors"][f"{key}_max"] = max(res["errors"][key].values(), default=0.0)
     except BaseException as e:  # noqa: BLE001
-        res["errors"]["error"] = _err(e)
+        res["errors"]["error"] = err(e)
         res["traceback"] = traceback.format_exc()[-4000:]
-    _emit(res)
+    emit(res)
 
 
 def worker_main(argv):
@@ -843,7 +844,7 @@ def bench_model(name, args, avail, root: Path, wheels: dict, log) -> dict:
         feeds = [v for v in g.input if v.name not in inits]
         cal, held, info["data_source"] = make_data(name, feeds, src)
     except Exception as e:  # noqa: BLE001 - one unobtainable model must not stop the run
-        info["status"] = f"not available: {_err(e)}"
+        info["status"] = f"not available: {err(e)}"
         return info
     info["path"] = src
     info["calibration"] = [{k: list(v.shape) for k, v in b.items()} for b in cal]
@@ -874,7 +875,7 @@ def bench_model(name, args, avail, root: Path, wheels: dict, log) -> dict:
         try:
             row = run_row(row, src, work, data, args, avail)
         except Exception as e:  # noqa: BLE001 - the harness itself must not die
-            row.update(status="harness-error", error=_err(e), traceback=traceback.format_exc()[-4000:])
+            row.update(status="harness-error", error=err(e), traceback=traceback.format_exc()[-4000:])
         info["rows"].append(row)
         t = (row.get("convert") or {}).get("time_s")
         log(f"  {name}: {row['label']} -> {row['status']}" + (f" in {t:.1f} s" if t else "")
@@ -1033,7 +1034,7 @@ def main(argv=None):
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(_clean_floats(doc), indent=1, default=_json_default, allow_nan=False))
+    tmp.write_text(json.dumps(clean_floats(doc), indent=1, default=json_default, allow_nan=False))
     os.replace(tmp, out)
     print("\n\n".join(markdown_table(i) for i in infos))
     print(f"\nJSON: {out}. err = max|a-b|/max|ref| (worst output, worst batch) vs the FP32 source, of the "

@@ -32,9 +32,9 @@ Usage:
   python benchmarks/train.py [--device auto|cpu|cuda] [--steps 30] [--warmup 5] [--models cnn,block]
                              [--tiny] [--json benchmarks/results/train.json] [--no-curves]
 Models (torch needed to export them; without torch only `tiny-cnn`, built with onnx.helper):
-  cnn        models/train/torch_models.CNN(cin=3, width=32, size=32, classes=10), batch 64 of 3x32x32
-  block      models/train/torch_models.Block(d=128, heads=4, classes=10), batch 32 of 64 tokens x 128
-  tiny-cnn   models/train/tiny.cnn(channels=32, size=32), batch 64 of 1x32x32
+  cnn        tests/fixtures/torch_models.CNN(cin=3, width=32, size=32, classes=10), batch 64 of 3x32x32
+  block      tests/fixtures/torch_models.Block(d=128, heads=4, classes=10), batch 32 of 64 tokens x 128
+  tiny-cnn   tests/fixtures/tiny.cnn(channels=32, size=32), batch 64 of 1x32x32
 GPU-sized (in the default run only when ORT CUDA runs; never on the CPU unless --tiny):
   bert-base  BERT-base encoder stack: 12 post-LN layers, d 768, 12 heads, FFN 3072, batch 32 x 128 tokens
   resnet50   ResNet-50 (bottleneck 3-4-6-3, BatchNorm), batch 32 of 3x224x224, 1000 classes
@@ -161,7 +161,7 @@ def _gpu_sized_modules():
 
 
 def _torch_module(spec):
-    from models.train import torch_models
+    from tests.fixtures import torch_models
     cls = getattr(torch_models, spec["cls"], None) or _gpu_sized_modules()[spec["cls"]]
     return cls(**spec["kw"])
 
@@ -268,6 +268,7 @@ def _time(fn, steps, warmup, sync=None):
 
 def child_ort(args):
     """One ORT row. Raises GraphmpError for --device cuda when the session is not on CUDA."""
+    from graphmp.session import ran_on
     from graphmp.train.device import CUDA, check_session, providers_for
     from graphmp.train.loop import StepRunner, latest_state, load_run
     spec = model_specs(args.tiny)[args.model]
@@ -282,15 +283,15 @@ def child_ort(args):
     r = StepRunner(args.run_dir, meta, state, providers=providers)
     if args.engine == "ort-cuda":
         note = check_session(r.sess, providers, args.device, "training step") or note
-    ran_on = r.sess.get_providers()[0]
+    got = ran_on(r.sess)
     batch = _batch(spec)
     losses = []
     res = _time(lambda: losses.append(float(r.step(batch)[0])), args.steps, args.warmup)
     res.update(peak_rss_mb=_peak_rss_mb(), rss_before_session_mb=base, state_on_device=r.bound,
-               ran_on=ran_on, loss_first=losses[0], loss_last=losses[-1])
-    if note or (args.engine == "ort-cuda" and ran_on != CUDA):
-        res["note"] = note or f"asked for {CUDA}, ran on {ran_on}"
-    if ran_on == CUDA:
+               ran_on=got, loss_first=losses[0], loss_last=losses[-1])
+    if note or (args.engine == "ort-cuda" and got != CUDA):
+        res["note"] = note or f"asked for {CUDA}, ran on {got}"
+    if got == CUDA:
         res["gpu_mem_mb"], res["gpu_mem_method"] = gpu_mem_mb(dev_before)
     return res
 
@@ -350,13 +351,13 @@ def _prepare_models(names, work, tiny):
         path = os.path.join(work, f"{name}.onnx")
         if spec["kind"] == "torch":
             import torch
-            from models.train import torch_models
+            from tests.fixtures import torch_models
             torch.manual_seed(0)
             m = _torch_module(spec)
             torch.save(m.state_dict(), os.path.join(work, f"{name}.pt"))
             torch_models.export(m, np.zeros(spec["x"], np.float32), path)
         else:
-            from models.train import tiny as tiny_models
+            from tests.fixtures import tiny as tiny_models
             onnx.save(tiny_models.cnn(**spec["kw"]), path)
         paths[name] = path
     return paths
@@ -381,11 +382,12 @@ def _child(argv, timeout=1800):
 
 
 def _curves(out_png, results_json):
-    """FP32 vs mixed on the synthetic bars task (models/train/tiny.py), loss per step."""
+    """FP32 vs mixed on the synthetic bars task (tests/fixtures/tiny.py), loss per step."""
     import onnx
+    from graphmp.train.config import StepConfig, TrainConfig
     from graphmp.train.loop import train
     from graphmp.train.step import build_step
-    from models.train import tiny
+    from tests.fixtures import tiny
     work = tempfile.mkdtemp(prefix="graphmp-curves-")
     path = os.path.join(work, "cnn.onnx")
     onnx.save(tiny.cnn(), path)
@@ -393,8 +395,9 @@ def _curves(out_png, results_json):
     res = {}
     for p in ("fp32", "mixed"):
         run = os.path.join(work, p)
-        build_step(path, run, precision=p, optimizer="adamw", lr=1e-2)
-        r = train(run, tr, epochs=3, batch_size=32, eval_data=ev, checkpoint_every=0, progress=False)
+        build_step(path, run, StepConfig.from_kwargs(precision=p, optimizer="adamw", lr=1e-2))
+        r = train(run, tr, TrainConfig.from_kwargs(epochs=3, batch_size=32, checkpoint_every=0, progress=False),
+                  eval_data=ev)
         res[p] = {"loss": r.history["loss"], "eval": r.summary["eval"], "skipped": r.summary["skipped_steps"],
                   "final_scale": r.summary["final_scale"]}
     results_json["convergence"] = {p: {k: v for k, v in d.items() if k != "loss"} for p, d in res.items()}

@@ -35,6 +35,7 @@ from .emulate import emulated_runner
 from .inputs import find_shapes, input_specs, user_batches
 from .io import load_model
 from .oracle import cuda_available, run_reference, runner
+from .session import CUDA, ran_on
 
 ORACLES = ("emulation", "reference")
 EMULATION = "FP16-faithful emulation on ONNX Runtime (FP16 storage, FP32 math)"
@@ -290,10 +291,10 @@ def check(ref, converted, data=None, *, shapes=None, max_error=DEFAULT, metric: 
     warnings = []
     if cuda_available():
         try:
-            run_cuda = runner(converted, providers=["CUDAExecutionProvider"])
-            if "CUDAExecutionProvider" not in run_cuda.session.get_providers():
-                warnings.append("ORT CUDA was asked for but the session runs on "
-                                f"{run_cuda.session.get_providers()[0]}: no CUDA row")
+            run_cuda = runner(converted, providers=[CUDA])
+            got = ran_on(run_cuda.session)
+            if got != CUDA:
+                warnings.append(f"ORT CUDA was asked for but the session runs on {got}: no CUDA row")
                 run_cuda = None
         except Exception as e:  # noqa: BLE001
             warnings.append(f"ORT CUDA could not load the model: {first_line(e)}")

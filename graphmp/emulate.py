@@ -36,6 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .io import CONVERT_MARK, attr_graphs, iter_graphs, load_model, tensor_array
 from .ir import Names
+from .kernels import from_bf16_bits
 
 LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 FLOAT = TensorProto.FLOAT
@@ -107,7 +108,7 @@ class _Rewriter:
             elif t.data_type in LOW:
                 arr = tensor_array(t, self.base_dir)
                 if t.data_type == TensorProto.BFLOAT16:
-                    arr = (arr.astype("uint32") << 16).view("float32")
+                    arr = from_bf16_bits(arr)
                 t.CopyFrom(numpy_helper.from_array(arr.astype("float32"), t.name))
         for v in list(g.input) + list(g.output):
             if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type in LOW:
@@ -127,7 +128,7 @@ class _Rewriter:
             t = n.attribute[0].t
             arr = numpy_helper.to_array(t)
             if t.data_type == TensorProto.BFLOAT16:
-                arr = (arr.view("uint16").astype("uint32") << 16).view("float32")
+                arr = from_bf16_bits(arr.view("uint16"))
             t.CopyFrom(numpy_helper.from_array(arr.astype("float32"), t.name))
             return [n]
         if n.op_type == "ConstantOfShape":

@@ -213,9 +213,12 @@ class Graph:
 
 
 class Names:
-    """Fresh, model-wide unique names for nodes and tensors."""
+    """Fresh, model-wide unique names for nodes and tensors (every graph's, subgraphs
+    included, count as used): fresh(base) is `base` while it is free, else base_N;
+    numbered(stem) always numbers, stem_N with N the next of one sequence from `start`
+    (the names of generated pieces: training graphs, unrolled RNNs)."""
 
-    def __init__(self, model: ModelProto):
+    def __init__(self, model: ModelProto, start: int = 0):
         self.used: set[str] = set()
         stack = [model.graph]
         while stack:
@@ -228,6 +231,7 @@ class Names:
                 for a in n.attribute:
                     stack.extend(attr_graphs(a))
         self.counter = itertools.count()
+        self.sequence = itertools.count(start)
 
     def fresh(self, base: str) -> str:
         name = base
@@ -235,6 +239,13 @@ class Names:
             name = f"{base}_{next(self.counter)}"
         self.used.add(name)
         return name
+
+    def numbered(self, stem: str) -> str:
+        while True:
+            name = f"{stem}_{next(self.sequence)}"
+            if name not in self.used:
+                self.used.add(name)
+                return name
 
 
 def name_nodes(model: ModelProto, names: Names) -> int:

@@ -5,8 +5,11 @@ that suit it: `prefer_nhwc=1` when Conv/ConvTranspose run in FP16 (Tensor Core
 convolutions are NHWC kernels; in NCHW, ORT CUDA adds a layout transpose around each,
 measured on one H100 for ResNet-50 FP16 batch 32: 2.89 ms NCHW, 2.11 ms with
 prefer_nhwc). `session()` applies them when the CUDA provider is there, checks with
-`get_providers()` that CUDA really came up (it falls back to the CPU silently), and
-otherwise opens a plain CPU session; `device="cuda"` makes a missing CUDA an error.
+ran_on() that CUDA really came up (it falls back to the CPU silently), and otherwise
+opens a plain CPU session; `device="cuda"` makes a missing CUDA an error.
+
+ran_on(sess) is graphmp's one answer to "which provider does this session run on": every
+place that asks ONNX Runtime for CUDA (check, bench, train, the benchmarks) reads it back.
 """
 from __future__ import annotations
 
@@ -17,6 +20,15 @@ from .errors import GraphmpError
 
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 CONV_OPS = ("Conv", "ConvTranspose")
+
+
+def ran_on(sess) -> str:
+    """The execution provider an onnxruntime session runs on (the first of get_providers()).
+
+    ONNX Runtime creates a CPU session, with at most a logged warning, when the CUDA
+    provider is missing or does not load (CUDA/cuDNN libraries not found), so asking for
+    CUDA proves nothing: compare this with what was asked for after creating a session."""
+    return sess.get_providers()[0]
 
 
 def cuda_options(ctx) -> dict:
@@ -57,7 +69,7 @@ def session(path, device: str = "auto", **session_options):
                            "onnxruntime-gpu, or use device='auto' / 'cpu'")
     providers = [(CUDA, recorded_options(path)), CPU] if want_cuda else [CPU]
     sess = ort.InferenceSession(path, so, providers=providers)
-    got = sess.get_providers()[0]
+    got = ran_on(sess)
     if want_cuda and got != CUDA and device == "cuda":
         raise GraphmpError(f"{path}: the session came up on {got}, not {CUDA}: check that the CUDA and cuDNN "
                            "libraries onnxruntime-gpu needs are found")

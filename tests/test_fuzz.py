@@ -69,6 +69,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxruntime as ort
 from graphmp.cli import main
 from graphmp.ir import iter_graphs
+from graphmp.kernels import to_bf16_bits
 from graphmp.paths import iter_tensors
 
 # Scale of the suite: examples of the main test (convert --no-calibration); the other
@@ -100,10 +101,9 @@ SECRET = MARKER * 256  # 16 KiB
 
 
 def _bf16(a: np.ndarray, rounding: bool) -> bytes:
-    u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
     if rounding:
-        u = u + 0x7FFF + ((u >> 16) & 1)
-    return ((u >> 16) & 0xFFFF).astype(np.uint16).tobytes()
+        return to_bf16_bits(a).tobytes()
+    return (np.ascontiguousarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
 
 
 def _leak_patterns() -> list[tuple[str, bytes]]:

@@ -170,7 +170,7 @@ def test_plan_puts_rows_where_they_can_run():
 def tiny_run(tmp_path_factory):
     import onnx
     from graphmp.train.step import build_step
-    from models.train import tiny
+    from fixtures import tiny
     work = tmp_path_factory.mktemp("trainrun")
     spec = btrain.model_specs()["tiny-cnn"]
     onnx.save(tiny.cnn(**spec["kw"]), str(work / "m.onnx"))

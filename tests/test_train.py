@@ -1,7 +1,7 @@
 """The training step graph (graphmp.train.step), its driver (graphmp.train.loop) and CLI.
 
 Every claim is checked by running the real step graph in ONNX Runtime (CPU) or in the
-FP16-faithful reference evaluator; tiny models keep it fast (see models/train/tiny.py).
+FP16-faithful reference evaluator; tiny models keep it fast (see tests/fixtures/tiny.py).
 """
 import json
 import os
@@ -13,7 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto
 
-from models.train import tiny as tm
+from fixtures import tiny as tm
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
 from graphmp.oracle import cuda_available, run_reference
@@ -443,7 +443,7 @@ def test_resume_after_kill_equals_uninterrupted_run(cnn_path, tmp_path):
 
 KILL_SCRIPT = """
 import os, signal, sys
-from models.train import tiny as tm
+from tests.fixtures import tiny as tm
 from graphmp.train.loop import train
 data = tm.bars(96, seed=4)
 n = [0]

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
 from graphmp.train.step import build_step
-from models.train import tiny as tm
+from fixtures import tiny as tm
 from test_train_losses import _fd_grad
 
 N, C, K = 8, 3, 3  # batch, input channels, classes; image 2x2 upsampled to 4x4

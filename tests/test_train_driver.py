@@ -1,6 +1,6 @@
 """The training driver (graphmp.train.loop.train / `graphmp train`): data checks before any
-step, eval per epoch, the loss curve PNG, and device honesty. Real step graphs and ONNX
-Runtime (CPU) sessions on the tiny models of models/train/tiny.py.
+step, eval per epoch, the loss curve (PNG, or CSV without matplotlib), and device honesty.
+Real step graphs and ONNX Runtime (CPU) sessions on the tiny models of tests/fixtures/tiny.py.
 """
 import json
 import os
@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from models.train import tiny as tm
+from fixtures import tiny as tm
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
 from graphmp.train import plot
@@ -224,7 +224,7 @@ def test_eval_every_epoch_in_output_and_summary(run, tmp_path, capsys):
     # before training, eval loss = the step graph's loss on the same full batch (fp32, no BN/Dropout)
     fresh = str(tmp_path / "fresh")
     import shutil
-    shutil.copytree(run, fresh, ignore=shutil.ignore_patterns("ckpt-*", CHECKPOINT, "summary.json", "loss.png"))
+    shutil.copytree(run, fresh, ignore=shutil.ignore_patterns("ckpt-*", CHECKPOINT, "summary.json", "loss.png", "loss.csv"))
     ev = tm.blobs(128, seed=2)
     e0 = evaluate(fresh, ev)
     r = train(fresh, ev, batch_size=128, max_steps=1, progress=False, drop_last=True)
@@ -234,8 +234,7 @@ def test_eval_every_epoch_in_output_and_summary(run, tmp_path, capsys):
 # --- loss curve ---------------------------------------------------------------------------------------
 
 def _png(path):
-    """(width, height, pixels or None) of a PNG, checking signature, chunk CRCs and data size;
-    pixels decoded only for filter-0 RGB images (the numpy writer's)."""
+    """(width, height) of a PNG, checking signature, chunk CRCs and data size."""
     b = open(path, "rb").read()
     assert b[:8] == b"\x89PNG\r\n\x1a\n"
     i, chunks = 8, {}
@@ -248,50 +247,62 @@ def _png(path):
     assert b"IEND" in chunks
     w, h, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
     raw = zlib.decompress(chunks[b"IDAT"])
-    bpp = {2: 3, 6: 4}[color]
-    assert depth == 8 and len(raw) == h * (1 + w * bpp)
-    rows = np.frombuffer(raw, np.uint8).reshape(h, 1 + w * bpp)
-    px = rows[:, 1:].reshape(h, w, bpp) if color == 2 and not rows[:, 0].any() else None
-    return w, h, px
+    assert depth == 8 and len(raw) == h * (1 + w * {2: 3, 6: 4}[color])
+    return w, h
 
 
-def test_png_writer_is_valid_and_drawn_from_the_history(tmp_path):
-    curve = 1.0 + np.exp(-np.arange(60) / 15)
-    a = plot.write_loss_png(tmp_path / "a.png", curve, [(30, 1.5), (60, 1.2)], use_matplotlib=False)
-    b = plot.write_loss_png(tmp_path / "b.png", curve[::-1], [(30, 1.5), (60, 1.2)], use_matplotlib=False)
-    c = plot.write_loss_png(tmp_path / "c.png", curve, [(30, 1.5), (60, 1.2)], use_matplotlib=False)
-    d = plot.write_loss_png(tmp_path / "d.png", curve, [], width=200, height=100, use_matplotlib=False)
-    wa, ha, pa = _png(a)
-    _, _, pb = _png(b)
-    _, _, pc = _png(c)
-    assert (wa, ha) == (plot.WIDTH, plot.HEIGHT) and _png(d)[:2] == (200, 100)
-    assert np.array_equal(pa, pc) and not np.array_equal(pa, pb)
-    assert (pa == plot.TRAIN_RGB).all(-1).sum() > 200 and (pa == plot.EVAL_RGB).all(-1).sum() > 20
-    assert not (_png(d)[2] == plot.EVAL_RGB).all(-1).any()  # no eval points, no eval colour
-    # a long noisy run (more steps than pixel columns) and skipped (inf) steps still draw
-    long = 1 + np.random.default_rng(0).random(10_000)
-    long[::97] = np.inf
-    _, _, pl = _png(plot.write_loss_png(tmp_path / "l.png", long, use_matplotlib=False))
-    assert (pl == plot.TRAIN_RGB).all(-1).sum() > 500
+def _csv(path):
+    """The rows of loss.csv after its header, as (step, train loss or None, eval loss or None)."""
+    lines = open(path).read().splitlines()
+    assert lines[0] == plot.CSV_HEADER
+    return [(int(s), float(t) if t else None, float(e) if e else None)
+            for s, t, e in (line.split(",") for line in lines[1:])]
+
+
+def _no_matplotlib(monkeypatch):
+    def missing(*a, **k):
+        raise ImportError("No module named 'matplotlib'")
+    monkeypatch.setattr(plot, "_png_matplotlib", missing)
+
+
+def test_without_matplotlib_the_losses_go_to_csv_with_a_hint(tmp_path, monkeypatch):
+    _no_matplotlib(monkeypatch)
+    curve = list(1.0 + np.exp(-np.arange(6) / 3))
+    curve[2] = float("inf")  # a skipped step keeps its row, as recorded
+    path, hint = plot.write_loss_png(tmp_path / "loss.png", curve, [(3, 1.5), (6, 1.2)], title="t")
+    assert path == str(tmp_path / "loss.csv") and not (tmp_path / "loss.png").exists()
+    assert "pip install 'graphmp[plot]'" in hint and "loss.png" in hint and path in hint and "\n" not in hint
+    rows = _csv(path)
+    assert [s for s, _, _ in rows] == [1, 2, 3, 4, 5, 6]
+    assert [t for _, t, _ in rows] == curve  # repr: every float read back exactly
+    assert [e for _, _, e in rows] == [None, None, 1.5, None, None, 1.2]
+    # an eval point with no step of its own, and a second one at a step, get rows of their own
+    path, _ = plot.write_loss_png(tmp_path / "loss.png", [2.0, 1.0], [(0, 3.0), (2, 1.1), (2, 1.05)],
+                                  use_matplotlib=False)
+    assert _csv(path) == [(0, None, 3.0), (1, 2.0, None), (2, 1.0, 1.1), (2, None, 1.05)]
+    assert plot.write_loss_png(tmp_path / "e.png", [], use_matplotlib=False)[0] == str(tmp_path / "loss.csv")
+    assert _csv(tmp_path / "loss.csv") == []
+    with pytest.raises(ImportError):  # asked for matplotlib explicitly: no silent CSV
+        plot.write_loss_png(tmp_path / "x.png", curve, use_matplotlib=True)
 
 
 def test_png_with_matplotlib_when_importable(tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib.image import imread
     curve = 1.0 + np.exp(-np.arange(60) / 15)
-    a = plot.write_loss_png(tmp_path / "a.png", curve, [(30, 1.5)], use_matplotlib=True)
-    b = plot.write_loss_png(tmp_path / "b.png", curve * 2, [(30, 1.5)], use_matplotlib=True)
-    assert _png(a)[:2] == (plot.WIDTH, plot.HEIGHT)
+    a, hint = plot.write_loss_png(tmp_path / "a.png", curve, [(30, 1.5)], use_matplotlib=True)
+    b, _ = plot.write_loss_png(tmp_path / "b.png", curve * 2, [(30, 1.5)])
+    assert a == str(tmp_path / "a.png") and hint is None and not (tmp_path / "loss.csv").exists()
+    assert _png(a) == (plot.WIDTH, plot.HEIGHT)
     assert imread(a).shape[:2] == (plot.HEIGHT, plot.WIDTH)
     assert not np.array_equal(imread(a), imread(b))
-    long = plot.write_loss_png(tmp_path / "l.png", 1 + np.random.default_rng(0).random(10_000), use_matplotlib=True)
-    assert _png(long)[:2] == (plot.WIDTH, plot.HEIGHT)
+    long = 1 + np.random.default_rng(0).random(10_000)
+    long[::97] = np.inf  # a long noisy run (more steps than pixel columns) with skipped steps still draws
+    assert _png(plot.write_loss_png(tmp_path / "l.png", long)[0]) == (plot.WIDTH, plot.HEIGHT)
 
 
-def test_run_loss_png_covers_the_whole_run_across_resume(run, monkeypatch):
-    def no_matplotlib(*a, **k):
-        raise ImportError
-    monkeypatch.setattr(plot, "_png_matplotlib", no_matplotlib)  # the numpy path, to compare pixels
+def test_run_loss_curve_covers_the_whole_run_across_resume(run, monkeypatch):
+    _no_matplotlib(monkeypatch)  # loss.csv: the numbers the curve is drawn from
     d, ev = tm.blobs(96), tm.blobs(32, seed=5)
     first = train(run, d, epochs=2, batch_size=16, eval_data=ev, max_steps=8, progress=False)
     second = train(run, d, epochs=2, batch_size=16, eval_data=ev, progress=False)
@@ -300,9 +311,16 @@ def test_run_loss_png_covers_the_whole_run_across_resume(run, monkeypatch):
     assert ck["train_loss"] == losses and len(losses) == 12
     evs = [(e["step"], e["loss"]) for e in ck["eval_history"]]
     assert [s for s, _ in evs] == [6, 12]
-    w, h, px = _png(os.path.join(run, "loss.png"))
-    steps = np.arange(1, 13, dtype=float)
-    assert np.array_equal(px, plot.render(steps, np.array(losses), np.array(evs, float), w, h))
+    rows = _csv(os.path.join(run, "loss.csv"))
+    assert [(s, t) for s, t, _ in rows] == list(zip(range(1, 13), losses))
+    assert [(s, e) for s, _, e in rows if e is not None] == evs
+
+
+def test_run_loss_png_with_matplotlib(run):
+    pytest.importorskip("matplotlib")
+    train(run, tm.blobs(32), epochs=1, batch_size=16, eval_data=tm.blobs(16, seed=5), progress=False)
+    assert _png(os.path.join(run, "loss.png")) == (plot.WIDTH, plot.HEIGHT)
+    assert not os.path.exists(os.path.join(run, "loss.csv"))
 
 
 # --- device honesty -----------------------------------------------------------------------------------
@@ -413,3 +431,17 @@ def test_eval_of_a_bf16_run_says_what_precision_it_ran_in(run, tmp_path):
         line = format_summary({"steps": 0, "optimizer_steps": 0, "skipped_steps": 0, "final_scale": 1.0,
                                "loss": None, "eval": res, "seconds_per_step": None, "precision": "bf16"})
         assert "(evaluated in fp32)" in line
+
+
+def test_train_without_matplotlib_says_how_to_get_the_png(run, monkeypatch, capsys):
+    _no_matplotlib(monkeypatch)
+    d = tm.blobs(32)
+    r = train(run, d, epochs=1, batch_size=16, progress=True)
+    err = capsys.readouterr().err
+    hints = [line for line in err.splitlines() if "pip install 'graphmp[plot]'" in line]
+    assert len(hints) == 1 and "loss.png" in hints[0] and os.path.join(run, "loss.csv") in hints[0]
+    assert r.summary["loss_curve"] == "loss.csv" and not os.path.exists(os.path.join(run, "loss.png"))
+    assert json.load(open(os.path.join(run, "summary.json")))["loss_curve"] == "loss.csv"
+    train(run, d, epochs=2, batch_size=16, progress=False)  # quiet: the files, no hint
+    assert "graphmp[plot]" not in capsys.readouterr().err
+    assert [s for s, _, _ in _csv(os.path.join(run, "loss.csv"))] == [1, 2, 3, 4]

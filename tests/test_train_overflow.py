@@ -20,7 +20,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from models.train import tiny as tm
+from fixtures import tiny as tm
 from graphmp.cli import main
 from graphmp.train.emitter import Emitter, tensor_info
 from graphmp.train.optim import skipped_note

@@ -15,7 +15,7 @@ from graphmp.cli import main
 from graphmp.errors import GraphmpError
 from graphmp.train.loop import StepRunner, latest_state, load_run, train
 from graphmp.train.step import NEXT, SCALE, STEP, build_step
-from models.train import tiny as tm
+from fixtures import tiny as tm
 
 LR, WARM, TOTAL = 0.5, 4, 12
 

@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from models.train import tiny as tm
+from fixtures import tiny as tm
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
 from graphmp.train.data import _label_form, whole_arrays

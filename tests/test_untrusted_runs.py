@@ -4,7 +4,7 @@ A run folder may come from anyone: every file name its train.json / checkpoint.j
 must be a bare name of the kind graphmp writes there, naming a regular file inside the
 folder; a corrupt file is a one-line error naming it; outputs never clobber inputs; a full
 disk or a read-only folder is a one-line error. Each case goes through the CLI in-process
-on a tiny real run (models/train/tiny.py), and checks that a sentinel file outside the run
+on a tiny real run (tests/fixtures/tiny.py), and checks that a sentinel file outside the run
 folder is neither loaded, changed nor deleted.
 """
 import errno
@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
-from models.train import tiny as tm
+from fixtures import tiny as tm
 from graphmp.cli import main
 
 TRAIN = ["--batch-size", "16", "-q"]

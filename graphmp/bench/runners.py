@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import GraphmpError
 from ..oracle import ort_session
+from ..session import CPU, CUDA, ran_on
 
 TIMING = "host-sync"
 TIMING_TEXT = ("host wall time around one synchronized run (ORT: run_with_iobinding + synchronize_outputs; "
@@ -30,8 +31,6 @@ TIMING_TEXT = ("host wall time around one synchronized run (ORT: run_with_iobind
 MAX_STEPS = 100_000
 GPU_INSTALL = ("pip install 'graphmp[gpu]' (onnxruntime-gpu; uninstall the CPU onnxruntime first, both "
                "provide the same module) on a machine with an NVIDIA GPU and driver")
-CUDA = "CUDAExecutionProvider"
-CPU = "CPUExecutionProvider"
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
               "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
 
@@ -151,7 +150,7 @@ class OrtRunner:
             providers = [CPU]
         self.sess = ort_session(path, providers)
         ran = self.sess.get_providers()
-        self.provider = ran[0]
+        self.provider = ran_on(self.sess)
         wanted = CUDA if device == "cuda" else CPU
         if self.provider != wanted:
             self.sess = None

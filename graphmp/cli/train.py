@@ -55,9 +55,10 @@ A checkpoint (RUN/ckpt-*.npz + RUN/checkpoint.json) is written every --checkpoin
 steps and at the end; rerunning the same command resumes from it (--no-resume starts over).
 Output: eval loss/accuracy after every epoch (with --eval), RUN/summary.json (eval per
 epoch in "eval_per_epoch", the providers that ran in "providers") and RUN/loss.png (train
-loss per step, eval loss per epoch, the whole run). When (nearly) every step is skipped
-for inf/NaN gradients, the progress output and summary say why and what to do; exit 1
-when no step of the call was applied (nothing was trained), else 0.
+loss per step, eval loss per epoch, the whole run; without matplotlib the numbers as
+RUN/loss.csv). When (nearly) every step is skipped for inf/NaN gradients, the progress
+output and summary say why and what to do; exit 1 when no step of the call was applied
+(nothing was trained), else 0.
 
 examples:
   graphmp train run/ --data train.npz --epochs 3 --eval eval.npz
@@ -178,21 +179,32 @@ def add_export(sub):
 
 
 
+# StepConfig / TrainConfig options that are the flag of the same name
+STEP_FLAGS = ("loss", "label_shape", "optimizer", "lr", "momentum", "betas", "eps", "weight_decay", "clip_norm",
+              "loss_scale", "init_scale", "growth_interval", "backoff", "growth", "min_scale", "max_scale",
+              "precision", "trainable", "calibration", "shapes", "class_axis", "ignore_index", "label_smoothing",
+              "class_weights", "lr_schedule", "warmup_steps", "total_steps", "grad_accum", "force")
+TRAIN_FLAGS = ("epochs", "batch_size", "checkpoint_every", "device", "seed", "max_steps", "skip_bad_samples")
+
+
+def step_config(args):
+    """The StepConfig of `graphmp train-graph`'s flags, checked (errors start with the model path)."""
+    from ..train.config import StepConfig
+    return StepConfig.from_kwargs(args.model, output=args.model_output, **{k: getattr(args, k) for k in STEP_FLAGS})
+
+
+def train_config(args):
+    """The TrainConfig of `graphmp train`'s flags, checked."""
+    from ..train.config import TrainConfig
+    return TrainConfig.from_kwargs(resume=not args.no_resume, progress=not args.quiet,
+                                   **{k: getattr(args, k) for k in TRAIN_FLAGS})
+
+
 def run_train_graph(args) -> int:
     from ..train.runfiles import os_error
     from ..train.step import build_step
     try:
-        meta = build_step(args.model, args.output, loss=args.loss, label_shape=args.label_shape,
-                          optimizer=args.optimizer, lr=args.lr, momentum=args.momentum, betas=args.betas,
-                          eps=args.eps, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
-                          loss_scale=args.loss_scale, init_scale=args.init_scale,
-                          growth_interval=args.growth_interval, backoff=args.backoff, growth=args.growth,
-                          min_scale=args.min_scale, max_scale=args.max_scale, precision=args.precision,
-                          output=args.model_output, trainable=args.trainable, calibration=args.calibration,
-                          shapes=args.shapes, class_axis=args.class_axis, ignore_index=args.ignore_index,
-                          label_smoothing=args.label_smoothing, class_weights=args.class_weights,
-                          lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
-                          total_steps=args.total_steps, grad_accum=args.grad_accum, force=args.force)
+        meta = build_step(args.model, args.output, step_config(args))
     except OSError as e:  # one the builder did not name (a full disk, a folder's permissions): still one line
         raise os_error(e, e.filename or args.output) from None
     if not args.quiet:
@@ -228,10 +240,7 @@ def run_train(args) -> int:
     from ..train.loop import format_summary, train
     from ..train.runfiles import os_error
     try:
-        res = train(args.run_dir, args.data, epochs=args.epochs, batch_size=args.batch_size, eval_data=args.eval,
-                    checkpoint_every=args.checkpoint_every, resume=not args.no_resume, device=args.device,
-                    progress=not args.quiet, seed=args.seed, max_steps=args.max_steps,
-                    skip_bad_samples=args.skip_bad_samples)
+        res = train(args.run_dir, args.data, train_config(args), eval_data=args.eval)
     except OSError as e:  # one the driver did not name (a full disk, a folder's permissions): still one line
         raise os_error(e, e.filename or args.run_dir) from None
     print(format_summary(res.summary))

@@ -45,6 +45,7 @@ import numpy as np
 from ..budget import errors, measure
 from ..errors import GraphmpError, first_line
 from ..oracle import runner
+from ..session import CUDA, ran_on
 from . import PassResult
 from .regions import _is_compute, _weight_bytes, node_costs, regions, whole
 from .switchable import Switchable
@@ -406,8 +407,8 @@ def _verify_on_cuda(ctx, batches: list, budget) -> dict:
     if not cuda_available():
         return {}
     try:
-        run = runner(ctx.model, providers=["CUDAExecutionProvider"], base_dir=ctx.base_dir)
-        if "CUDAExecutionProvider" not in run.session.get_providers():
+        run = runner(ctx.model, providers=[CUDA], base_dir=ctx.base_dir)
+        if ran_on(run.session) != CUDA:
             return {}
         errs = errors(ctx.search_refs, [run(x) for x in batches], budget.metric)
     except Exception as e:  # noqa: BLE001 - a CUDA failure is a note, the CPU verdict stands

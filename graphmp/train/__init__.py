@@ -1,6 +1,7 @@
 """graphmp.train: loss-scaled mixed-precision training graphs made of standard ONNX ops.
 
-    step.py       build_step(): forward + loss + backward + loss scaling + optimizer = one step graph
+    config.py     StepConfig / TrainConfig: the options of build_step() and train(), checked by from_kwargs
+    step.py       build_step(): forward + loss + backward + loss scaling + optimizer = one step graph, in phases
     builder.py    graph-building helpers shared by step/losses/optim/source (unique names, pruning, lifting)
     source.py     the source model before the step: Constant weights lifted, tied/shared/frozen params reported
     rnn.py        decompose_recurrent(): LSTM/GRU unrolled into primitive ops that have gradient rules
@@ -12,8 +13,31 @@
     loop.py       train() / export(): run the step graph on ONNX Runtime, checkpoints, eval, summary
     data.py       training/eval data: .npz or batch iterables, batching, label and NaN/inf checks before use
     device.py     which ONNX Runtime providers a run asks for, and a check that it got them
-    plot.py       write_loss_png(): run/loss.png, with matplotlib if importable, else numpy + zlib
+    plot.py       write_loss_png(): run/loss.png with matplotlib; without it run/loss.csv and a hint
     runfiles.py   a run folder's files: names from its JSON checked, corrupt files and write errors as one line
     evaluator.py  the inference graph with the current weights; eval loss/accuracy
     ort_checks.py ONNX Runtime runs while a step is built (calibration batch, the step graph loads)
+
+    from graphmp.train import StepConfig, TrainConfig, build_step, train
+    build_step("model.onnx", "run", StepConfig.from_kwargs(optimizer="sgd", lr=0.1))   # or the same keywords
+    train("run", "train.npz", TrainConfig.from_kwargs(epochs=3), eval_data="eval.npz")
+
+The public names are imported on first use (PEP 562), as graphmp's are.
 """
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {"StepConfig": ".config", "TrainConfig": ".config", "build_step": ".step", "train": ".loop",
+         "export": ".loop", "evaluate": ".loop"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'graphmp.train' has no attribute '{name}'")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value

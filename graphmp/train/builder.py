@@ -13,6 +13,7 @@ from onnx import helper, numpy_helper
 
 from ..errors import GraphmpError
 from ..io import iter_graphs
+from ..ir import Names
 from ..save import save_model
 
 
@@ -22,15 +23,10 @@ class Builder:
     def __init__(self, model: onnx.ModelProto, prefix: str = "train_step"):
         self.g = model.graph
         self.prefix = prefix
-        self.taken = all_names(model)
-        self.count = itertools.count()
+        self.names = Names(model)
 
     def name(self, hint: str) -> str:
-        while True:
-            n = f"{self.prefix}/{hint}_{next(self.count)}"
-            if n not in self.taken:
-                self.taken.add(n)
-                return n
+        return self.names.numbered(f"{self.prefix}/{hint}")
 
     def const(self, value, dtype=np.float32) -> str:
         name = self.name("const")

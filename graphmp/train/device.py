@@ -2,16 +2,14 @@
 
 ONNX Runtime quietly creates a CPU session when the CUDA provider is missing or fails to
 load (it logs a warning and retries on CPU). A run that asked for CUDA must therefore look
-at sess.get_providers() after creating every session: `device="cuda"` then fails with one
-line, `device="auto"` goes on on the CPU and says so (the note ends up in the progress
+at what every session runs on (graphmp.session.ran_on) after creating it: `device="cuda"`
+then fails with one line, `device="auto"` goes on on the CPU and says so (the note ends up in the progress
 output, the summary and summary.json).
 """
 from __future__ import annotations
 
 from ..errors import GraphmpError
-
-CUDA = "CUDAExecutionProvider"
-CPU = "CPUExecutionProvider"
+from ..session import CPU, CUDA, ran_on
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -38,10 +36,10 @@ def check_session(sess, providers, device: str | None, what: str) -> str | None:
 
     When CUDA was asked for and the session did not get it: device "cuda" raises a
     GraphmpError; otherwise returns a note (the run goes on on the CPU)."""
-    got = sess.get_providers()
-    if not providers or providers[0] != CUDA or got[0] == CUDA:
+    got = ran_on(sess)
+    if not providers or providers[0] != CUDA or got == CUDA:
         return None
-    msg = (f"the {what} session came up on {got[0]}, not {CUDA} (the CUDA provider is installed but did not "
+    msg = (f"the {what} session came up on {got}, not {CUDA} (the CUDA provider is installed but did not "
            "load: check that the CUDA and cuDNN libraries onnxruntime-gpu needs are found)")
     if device == "cuda":
         raise GraphmpError(f"--device cuda: {msg}; fix that, or use --device cpu / --device auto.")

@@ -19,6 +19,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GraphmpError
+from ..ir import Names
 from ..opset import default_opset
 
 
@@ -110,12 +111,7 @@ class Emitter:
         self.prefix = prefix
         self.active = active
         self.nodes: list[onnx.NodeProto] = []
-        self._count = 0
-        self._taken = {x for n in model.graph.node for x in list(n.input) + list(n.output)}
-        self._taken |= {n.name for n in model.graph.node}
-        self._taken |= {v.name for v in list(model.graph.input) + list(model.graph.output)}
-        self._taken |= {t.name for t in model.graph.initializer}
-        self._taken |= {v.name for v in model.graph.value_info}
+        self.names = Names(model, start=1)
         self._cache: dict = {}
         self._consts = {}
         for t in model.graph.initializer:
@@ -126,12 +122,7 @@ class Emitter:
 
     # --- names and nodes -------------------------------------------------------------
     def fresh(self, stem: str) -> str:
-        while True:
-            self._count += 1
-            name = f"{self.prefix}/{stem}_{self._count}"
-            if name not in self._taken:
-                self._taken.add(name)
-                return name
+        return self.names.numbered(f"{self.prefix}/{stem}")
 
     def op(self, op_type: str, inputs, outputs: int = 1, name=None, **attrs):
         """Emit one node; returns its output name (a list when outputs > 1)."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -43,12 +44,14 @@ from ..io import check_writable, load_npz
 from ..save import save_model, save_npz, write_json
 from ..progress import Progress
 from .data import DataCheck, Dataset, in_order, label_rule, make_source, run_failure, whole_arrays
+from ..session import CUDA, ran_on
 from .device import check_session, providers_for
 from .evaluator import Evaluator, infer_model
 from .optim import skipped_note
 from .plot import write_loss_png
 from .runfiles import (CHECKPOINT, FIX, REBUILD, TRAIN_JSON, check_meta, check_state, export_inputs, json_file,
                        load_onnx, read_checkpoint, read_json, refuse_run_files, run_file, writing)
+from .config import TrainConfig
 from .step import NEXT, SCALE, STEP
 
 LOSS_PNG = "loss.png"
@@ -127,10 +130,6 @@ def _unlink_quietly(path: str) -> None:
 
 # --- running the step ---------------------------------------------------------------------------
 
-def _uses_cuda(sess) -> bool:
-    return sess.get_providers()[0] == "CUDAExecutionProvider"
-
-
 class StepRunner:
     """Runs step.onnx; holds the state (numpy on the plain path, device OrtValues when bound)."""
 
@@ -151,8 +150,8 @@ class StepRunner:
             raise GraphmpError(f"{path}: ONNX Runtime cannot load the run's step graph ({first_line(e, 200)}); "
                                f"{REBUILD}") from None
         self.providers = self.sess.get_providers()  # what it got, not what was asked for
-        self.bound = _uses_cuda(self.sess) if device_state is None else bool(device_state)
-        self.device = "cuda" if _uses_cuda(self.sess) else "cpu"
+        self.bound = ran_on(self.sess) == CUDA if device_state is None else bool(device_state)
+        self.device = "cuda" if ran_on(self.sess) == CUDA else "cpu"
         check_state(self.sess, state, self.names, run_dir)
         if self.bound:
             ov = ort.OrtValue
@@ -284,48 +283,75 @@ class TrainResult:
     state: dict = field(default_factory=dict)
 
 
-def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, checkpoint_every: int = 100,
-          resume: bool = True, providers=None, progress: bool = True, seed: int = 0, drop_last: bool = True,
-          max_steps: int | None = None, device_state: bool | None = None, threads: int | None = None,
-          skip_bad_samples: bool = False, device: str | None = None) -> TrainResult:
-    """Train the run in run_dir on `data` for `epochs` epochs (see the module docstring).
+@dataclass
+class _Data:
+    """train()'s data, checked before any step (_open_data gives it)."""
+    src: object                 # the training batches (data.Dataset or a batch iterable)
+    eval_src: object | None     # the eval set (None: no eval)
+    nb: int | None              # batches per epoch (None: an iterable of unknown length)
+    eval_batch: int             # the batch size eval runs with
+    where: str                  # what the batches come from, for errors
 
-    resume: continue from run_dir/checkpoint.json when present (with the same batch_size,
-    seed and drop_last). max_steps: stop after this many steps in total (counting resumed ones).
-    Data (train and eval) is checked before use: cross-entropy labels must be class indices
-    (or the ignore index), float arrays finite; skip_bad_samples drops samples holding NaN/inf
-    instead of failing. device: "cuda" | "auto" | "cpu" picks the providers (instead of
-    `providers`) and checks every session got them: "cuda" fails when not, "auto" says so in
-    the progress output and summary["device_note"].
-    Returns the summary (also written to run_dir/summary.json, with eval per epoch), this
-    call's per-step history (+ "eval": one dict per epoch) and the final state; writes the
-    whole run's loss curve to run_dir/loss.png."""
-    run_dir = os.fspath(run_dir)
-    meta = load_run(run_dir)
-    _refuse_data_in_run(run_dir, data, eval_data)
-    if batch_size < 1 or epochs < 0:
-        raise GraphmpError(f"batch_size must be >= 1 and epochs >= 0 (got {batch_size}, {epochs})")
-    notes = []
-    if device is not None:
-        providers, note = providers_for(device)
-        notes += [note] if note else []
+
+@dataclass
+class _Run:
+    """One train() call under way: the runner, where the run stands, what it has seen."""
+    run_dir: str
+    meta: dict
+    runner: StepRunner
+    providers: list | None      # what the sessions asked for (device= picks them)
+    setup: dict                 # what a resumed run must match (checkpoint.json "setup")
+    pos: dict                   # step, epoch, position in the epoch, skipped steps
+    run_loss: list              # the whole run's per-step loss (for loss.png)
+    run_eval: list              # the whole run's eval per epoch
+    notes: list                 # device notes (progress output, summary["device_note"])
+    history: dict = field(default_factory=lambda: {"loss": [], "scale": [], "applied": [], "eval": []})
+    times: list = field(default_factory=list)
+    evaluator: Evaluator | None = None
+    ev_result: dict | None = None
+
+    def checkpoint(self):
+        _save_checkpoint(self.run_dir, self.runner.state_numpy(),
+                         dict(self.pos, setup=self.setup, eval_history=self.run_eval), self.run_loss)
+
+
+def _resolve_config(config: TrainConfig | None, options: dict) -> TrainConfig:
+    """The TrainConfig train() runs with: `config` (default: all defaults) with `options` on
+    top, checked (TrainConfig.from_kwargs)."""
+    if config is not None and not isinstance(config, TrainConfig):
+        raise TypeError(f"train(): config must be a TrainConfig (TrainConfig.from_kwargs(...)), "
+                        f"not {type(config).__name__}")
+    base = config.as_kwargs() if config is not None else {}
+    return TrainConfig.from_kwargs(**{**base, **options})
+
+
+def _open_data(run_dir: str, meta: dict, data, eval_data, c: TrainConfig) -> _Data:
+    """Needs the run and the data. Gives the training and eval data checked before any step
+    (labels, NaN/inf, a batch size the model and the data allow, at least one batch, an eval
+    set with samples) and the batch counts."""
     rule = label_rule(run_dir, meta)
-    src = make_source(data, meta, check=DataCheck(rule, skip_bad_samples))
+    src = make_source(data, meta, check=DataCheck(rule, c.skip_bad_samples))
     where = getattr(src, "where", "data")
-    _check_batch_size(run_dir, meta, src, batch_size)
-    nb = src.num_batches(batch_size, drop_last)
+    _check_batch_size(run_dir, meta, src, c.batch_size)
+    nb = src.num_batches(c.batch_size, c.drop_last)
     if isinstance(src, Dataset) and nb == 0:
-        raise GraphmpError(f"{where}: {src.n} samples, fewer than one batch of {batch_size}; lower batch_size.")
-
+        raise GraphmpError(f"{where}: {src.n} samples, fewer than one batch of {c.batch_size}; lower batch_size.")
     eval_src = None
     if eval_data is not None:  # checked now, before any step
-        eval_src = make_source(eval_data, meta, "eval data", DataCheck(rule, skip_bad_samples))
+        eval_src = make_source(eval_data, meta, "eval data", DataCheck(rule, c.skip_bad_samples))
         if isinstance(eval_src, Dataset) and eval_src.n == 0:
             _first_batch(eval_src)  # the error naming the file
-    eval_batch = eval_batch_size(meta, eval_src, max(batch_size, 256))
+    return _Data(src, eval_src, nb, eval_batch_size(meta, eval_src, max(c.batch_size, 256)), where)
+
+
+def _start_run(run_dir: str, meta: dict, d: _Data, c: TrainConfig, providers, notes: list) -> _Run:
+    """Needs the checked data. Gives the run started from its last checkpoint (resume; its
+    setup must match this call's) or its initial state, on a StepRunner whose session got the
+    providers asked for (device "cuda": else an error; otherwise a note)."""
     read_checkpoint(run_dir)  # checked even with resume=False: its state file is removed at the first checkpoint
-    state, ck = latest_state(run_dir) if resume else (load_npz(run_file(run_dir, meta, "initial_state")), None)
-    setup = {"batch_size": batch_size, "seed": seed, "drop_last": drop_last, "samples": getattr(src, "n", None)}
+    state, ck = latest_state(run_dir) if c.resume else (load_npz(run_file(run_dir, meta, "initial_state")), None)
+    setup = {"batch_size": c.batch_size, "seed": c.seed, "drop_last": c.drop_last,
+             "samples": getattr(d.src, "n", None)}
     pos = {"step": 0, "epoch": 0, "position": 0, "skipped": 0}
     if ck is not None:
         for k, v in setup.items():
@@ -335,93 +361,149 @@ def train(run_dir, data, epochs: int = 1, batch_size: int = 32, eval_data=None, 
         pos = {k: ck[k] for k in pos}
     run_loss = list(ck.get("train_loss", [])) if ck else []  # the whole run's, for loss.png
     run_eval = list(ck.get("eval_history", [])) if ck else []
+    runner = StepRunner(run_dir, meta, state, providers, c.device_state, c.threads)
+    runner.where = d.where
+    notes += [n for n in [check_session(runner.sess, providers, c.device, "training")] if n]
+    return _Run(run_dir, meta, runner, providers, setup, pos, run_loss, run_eval, notes)
 
-    runner = StepRunner(run_dir, meta, state, providers, device_state, threads)
-    runner.where = where
-    notes += [n for n in [check_session(runner.sess, providers, device, "training")] if n]
-    evaluator = None
-    history = {"loss": [], "scale": [], "applied": [], "eval": []}
-    times = []
-    ev_result = None
-    total = None if nb is None else nb * epochs
-    if max_steps is not None and total is not None:
-        total = min(total, max_steps)
 
-    def checkpoint():
-        _save_checkpoint(run_dir, runner.state_numpy(), dict(pos, setup=setup, eval_history=run_eval), run_loss)
-
-    done = pos["step"]
-    stop = False
-    with Progress(total=total, desc="train", enabled=progress) as bar:
-        bar.n = done if total else 0
-        for line in notes + _dropped_lines(src, eval_src):
+def _train_epochs(r: _Run, d: _Data, c: TrainConfig) -> str | None:
+    """Needs the started run. Runs the epochs from where the run stands, with the progress
+    line (and the notes above it), eval after each epoch; gives the note on (nearly) every
+    step skipped, or a falsy value."""
+    total = None if d.nb is None else d.nb * c.epochs
+    if c.max_steps is not None and total is not None:
+        total = min(total, c.max_steps)
+    with Progress(total=total, desc="train", enabled=c.progress) as bar:
+        bar.n = r.pos["step"] if total else 0
+        for line in r.notes + _dropped_lines(d.src, d.eval_src):
             _say(bar, line)
-        for epoch in range(pos["epoch"], epochs):
-            start = pos["position"] if epoch == pos["epoch"] else 0
-            for batch in src.batches(epoch, batch_size, seed, drop_last, start):
-                if max_steps is not None and pos["step"] >= max_steps:
-                    stop = True
-                    break
-                if batch is None:  # every sample dropped by --skip-bad-samples: keep its place
-                    pos["position"] += 1
-                    continue
-                t0 = time.perf_counter()
-                loss, applied, scale = runner.step(batch)
-                times.append(time.perf_counter() - t0)
-                pos["step"] += 1
-                pos["position"] += 1
-                pos["skipped"] += not applied
-                history["loss"].append(loss)
-                history["scale"].append(scale)
-                history["applied"].append(applied)
-                run_loss.append(loss)
-                bar.update(1, epoch=epoch + 1, loss=f"{loss:.4f}", scale=f"{scale:g}", skipped=pos["skipped"])
-                if checkpoint_every and pos["step"] % checkpoint_every == 0:
-                    checkpoint()
-            if stop:
+        for epoch in range(r.pos["epoch"], c.epochs):
+            if not _train_epoch(r, d, c, epoch, bar):
                 break
-            pos["epoch"], pos["position"] = epoch + 1, 0
-            if eval_src is not None:
-                st = runner.state_numpy()
-                if evaluator is None:
-                    first = _first_batch(eval_src, eval_batch)
-                    evaluator = Evaluator(run_dir, meta, st, providers, first, device)
-                    if evaluator.note:
-                        notes.append(evaluator.note)
-                        _say(bar, evaluator.note)
-                ev_result = dict(evaluator.run(st, eval_src, eval_batch), epoch=epoch + 1,
-                                 step=pos["step"])
-                history["eval"].append(ev_result)
-                run_eval.append(ev_result)
-                _say(bar, _eval_line(ev_result))
-                bar.update(0, eval_loss=f"{ev_result['loss']:.4f}")
-        note = history["scale"] and skipped_note(meta["config"], meta["dynamic_scale"], pos["step"], pos["skipped"],
-                                                 history["scale"][-1])  # (nearly) every step skipped: why
+            r.pos["epoch"], r.pos["position"] = epoch + 1, 0
+            if d.eval_src is not None:
+                _eval_epoch(r, d, c, epoch, bar)
+        note = r.history["scale"] and skipped_note(r.meta["config"], r.meta["dynamic_scale"], r.pos["step"],
+                                                   r.pos["skipped"], r.history["scale"][-1])  # (nearly) all skipped
         if note:
             _say(bar, note)
-    checkpoint()
-    state = runner.state_numpy()
+    return note
+
+
+def _train_epoch(r: _Run, d: _Data, c: TrainConfig, epoch: int, bar: Progress) -> bool:
+    """The steps of one epoch from the run's position (a checkpoint every checkpoint_every
+    steps); False when max_steps stopped it."""
+    pos, history = r.pos, r.history
+    start = pos["position"] if epoch == pos["epoch"] else 0
+    for batch in d.src.batches(epoch, c.batch_size, c.seed, c.drop_last, start):
+        if c.max_steps is not None and pos["step"] >= c.max_steps:
+            return False
+        if batch is None:  # every sample dropped by --skip-bad-samples: keep its place
+            pos["position"] += 1
+            continue
+        t0 = time.perf_counter()
+        loss, applied, scale = r.runner.step(batch)
+        r.times.append(time.perf_counter() - t0)
+        pos["step"] += 1
+        pos["position"] += 1
+        pos["skipped"] += not applied
+        history["loss"].append(loss)
+        history["scale"].append(scale)
+        history["applied"].append(applied)
+        r.run_loss.append(loss)
+        bar.update(1, epoch=epoch + 1, loss=f"{loss:.4f}", scale=f"{scale:g}", skipped=pos["skipped"])
+        if c.checkpoint_every and pos["step"] % c.checkpoint_every == 0:
+            r.checkpoint()
+    return True
+
+
+def _eval_epoch(r: _Run, d: _Data, c: TrainConfig, epoch: int, bar: Progress) -> None:
+    """Eval of the current state after an epoch (the evaluator made at the first, calibrated
+    on the first eval batch); recorded in the history and the run's eval, and said."""
+    st = r.runner.state_numpy()
+    if r.evaluator is None:
+        first = _first_batch(d.eval_src, d.eval_batch)
+        r.evaluator = Evaluator(r.run_dir, r.meta, st, r.providers, first, c.device)
+        if r.evaluator.note:
+            r.notes.append(r.evaluator.note)
+            _say(bar, r.evaluator.note)
+    r.ev_result = dict(r.evaluator.run(st, d.eval_src, d.eval_batch), epoch=epoch + 1, step=r.pos["step"])
+    r.history["eval"].append(r.ev_result)
+    r.run_eval.append(r.ev_result)
+    _say(bar, _eval_line(r.ev_result))
+    bar.update(0, eval_loss=f"{r.ev_result['loss']:.4f}")
+
+
+def _summary(r: _Run, d: _Data, state: dict, note) -> dict:
+    """The summary of the run after this call (summary.json, format_summary)."""
+    meta, pos, history = r.meta, r.pos, r.history
     losses = [x for x, a in zip(history["loss"], history["applied"]) if np.isfinite(x)]
-    summary = {
+    return {
         "steps": pos["step"], "steps_this_call": len(history["loss"]),
         "optimizer_steps": int(state[STEP]), "skipped_steps": pos["skipped"],
         "final_scale": float(state[SCALE]) if meta["dynamic_scale"] else float(meta["config"]["loss_scale"]),
-        "loss": float(np.mean(losses[-max(1, (nb or 10)):])) if losses else None,
+        "loss": float(np.mean(losses[-max(1, (d.nb or 10)):])) if losses else None,
         "last_loss": history["loss"][-1] if history["loss"] else None,
-        "eval": ev_result, "seconds_per_step": statistics.median(times) if times else None,
-        "device": runner.device, "providers": runner.providers, "device_note": "; ".join(notes) or None,
-        "state_on_device": runner.bound, "precision": meta["config"]["precision"],
-        "epochs_done": pos["epoch"], "eval_per_epoch": run_eval,
-        "dropped_samples": {"train": src.check.dropped, "eval": eval_src.check.dropped if eval_src else 0},
+        "eval": r.ev_result, "seconds_per_step": statistics.median(r.times) if r.times else None,
+        "device": r.runner.device, "providers": r.runner.providers, "device_note": "; ".join(r.notes) or None,
+        "state_on_device": r.runner.bound, "precision": meta["config"]["precision"],
+        "epochs_done": pos["epoch"], "eval_per_epoch": r.run_eval,
+        "dropped_samples": {"train": d.src.check.dropped, "eval": d.eval_src.check.dropped if d.eval_src else 0},
         "loss_curve": LOSS_PNG, "skipped_note": note or None,
     }
-    done = f"the run's checkpoint (step {pos['step']}) is complete"
+
+
+def _finish(r: _Run, d: _Data, note, progress: bool) -> TrainResult:
+    """The last checkpoint, then the whole run's loss curve (loss.png; loss.csv and a hint line
+    without matplotlib) and summary.json."""
+    r.checkpoint()
+    state = r.runner.state_numpy()
+    summary = _summary(r, d, state, note)
+    run_dir, precision = r.run_dir, r.meta["config"]["precision"]
+    done = f"the run's checkpoint (step {r.pos['step']}) is complete"
     with writing(os.path.join(run_dir, LOSS_PNG), "the loss curve", done):
-        write_loss_png(os.path.join(run_dir, LOSS_PNG), run_loss, [(e["step"], e["loss"]) for e in run_eval],
-                       title=f"{os.path.basename(os.path.abspath(run_dir))}: loss ({meta['config']['precision']})")
+        curve, hint = write_loss_png(os.path.join(run_dir, LOSS_PNG), r.run_loss,
+                                     [(e["step"], e["loss"]) for e in r.run_eval],
+                                     title=f"{os.path.basename(os.path.abspath(run_dir))}: loss ({precision})")
+    summary["loss_curve"] = os.path.basename(curve)  # loss.csv without matplotlib
+    if hint and progress:  # a line after the closed progress line, on its stream
+        sys.stderr.write(hint + "\n")
     with writing(os.path.join(run_dir, "summary.json"), "the summary", done):
         write_json(os.path.join(run_dir, "summary.json"), summary)
-    return TrainResult(summary, history, state)
+    return TrainResult(summary, r.history, state)
+
+
+def train(run_dir, data, config: TrainConfig | None = None, *, eval_data=None, **options) -> TrainResult:
+    """Train the run in run_dir on `data` for `epochs` epochs (see the module docstring).
+
+    The options: a TrainConfig (graphmp.train.config), or keywords (TrainConfig's fields, the
+    flags of `graphmp train`; on top of `config` when both are given), checked first: an
+    unknown one is a TypeError, a bad value a GraphmpError naming it. eval_data: evaluated
+    after every epoch (same layout as data).
+    resume: continue from run_dir/checkpoint.json when present (with the same batch_size,
+    seed and drop_last). max_steps: stop after this many steps in total (counting resumed ones).
+    Data (train and eval) is checked before use: cross-entropy labels must be class indices
+    (or the ignore index), float arrays finite; skip_bad_samples drops samples holding NaN/inf
+    instead of failing. device: "cuda" | "auto" | "cpu" picks the providers (instead of
+    `providers`) and checks every session got them: "cuda" fails when not, "auto" says so in
+    the progress output and summary["device_note"].
+    Returns the summary (also written to run_dir/summary.json, with eval per epoch), this
+    call's per-step history (+ "eval": one dict per epoch) and the final state; writes the
+    whole run's loss curve to run_dir/loss.png (without matplotlib: its numbers to run_dir/loss.csv
+    and a hint line in the progress output)."""
+    c = _resolve_config(config, options)
+    run_dir = os.fspath(run_dir)
+    meta = load_run(run_dir)
+    _refuse_data_in_run(run_dir, data, eval_data)
+    providers, notes = c.providers, []
+    if c.device is not None:
+        providers, note = providers_for(c.device)
+        notes += [note] if note else []
+    d = _open_data(run_dir, meta, data, eval_data, c)
+    r = _start_run(run_dir, meta, d, c, providers, notes)
+    note = _train_epochs(r, d, c)
+    return _finish(r, d, note, c.progress)
 
 
 def _say(bar: Progress, line: str):

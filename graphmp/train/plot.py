@@ -1,18 +1,17 @@
-"""The loss curve of a training run as a PNG (run_dir/loss.png), with no new dependency.
+"""The loss curve of a training run: run_dir/loss.png, drawn with matplotlib (graphmp[plot]).
 
 write_loss_png(path, train_loss, eval_points) draws the train loss per step (a line; when
 there are more steps than pixel columns, the per-column mean with a light min..max band)
-and the eval loss per epoch (markers joined by a line) on a linear loss axis. With
-matplotlib importable it draws with matplotlib (Agg, no pyplot state touched); otherwise
-it rasterises the same plot with numpy and encodes the PNG with zlib + struct (axes, the
-loss range and the step count as small bitmap digits). Non-finite losses (steps skipped
-for overflow) are left out. The file is written atomically.
+and the eval loss per epoch (markers joined by a line) on a linear loss axis, with
+matplotlib (Agg, no pyplot state touched). Non-finite losses (steps skipped for overflow)
+are left out of the plot. Without matplotlib it writes the numbers instead, as loss.csv
+beside `path` (write_loss_csv), and returns a hint line (HINT) for the caller to print. Files are
+written atomically.
 """
 from __future__ import annotations
 
 import io
-import struct
-import zlib
+import os
 
 import numpy as np
 
@@ -22,28 +21,50 @@ WIDTH, HEIGHT = 640, 400
 TRAIN_RGB = (31, 119, 180)
 BAND_RGB = (190, 214, 236)
 EVAL_RGB = (255, 127, 14)
+LOSS_CSV = "loss.csv"
+CSV_HEADER = "step,train_loss,eval_loss"
+HINT = "no matplotlib: the losses are in {csv}; pip install 'graphmp[plot]' would draw loss.png"
 
 
 def write_loss_png(path, train_loss, eval_points=(), width: int = WIDTH, height: int = HEIGHT,
-                   title: str = "loss", use_matplotlib: bool | None = None) -> str:
-    """Write the curve to `path` (atomically); returns path.
+                   title: str = "loss", use_matplotlib: bool | None = None) -> tuple[str, str | None]:
+    """Write the curve to `path` (atomically); returns (the path written, None).
 
     train_loss: loss per step (step k+1 at index k). eval_points: [(step, loss)], e.g. one
-    per epoch. use_matplotlib: None = when importable; False = the numpy rasteriser."""
-    steps = np.arange(1, len(train_loss) + 1, dtype=np.float64)
-    loss = np.asarray(train_loss, dtype=np.float64).reshape(-1)
-    ev = np.asarray(list(eval_points), dtype=np.float64).reshape(-1, 2)
-    data = None
+    per epoch. Without matplotlib (or with use_matplotlib=False) writes loss.csv in the
+    folder of `path` instead and returns (its path, the HINT line naming it)."""
     if use_matplotlib is not False:
+        steps = np.arange(1, len(train_loss) + 1, dtype=np.float64)
+        loss = np.asarray(train_loss, dtype=np.float64).reshape(-1)
+        ev = np.asarray(list(eval_points), dtype=np.float64).reshape(-1, 2)
         try:
             data = _png_matplotlib(steps, loss, ev, width, height, title)
         except ImportError:
             if use_matplotlib:
                 raise
-    if data is None:
-        data = encode_png(render(steps, loss, ev, width, height))
+        else:
+            with atomic_write(str(path)) as f:
+                f.write(data)
+            return str(path), None
+    csv = os.path.join(os.path.dirname(os.fspath(path)), LOSS_CSV)
+    return write_loss_csv(csv, train_loss, eval_points), HINT.format(csv=csv)
+
+
+def write_loss_csv(path, train_loss, eval_points=()) -> str:
+    """CSV_HEADER, then a row per step (1..len(train_loss)) with its train loss (nan/inf as
+    recorded for a skipped step) and, on the steps evaluated, the eval loss (else empty); an
+    eval point at a step with no train row (or a second one at a step) gets a row of its own."""
+    rows = [[k, repr(float(x)), ""] for k, x in enumerate(train_loss, 1)]
+    for step, loss in eval_points:
+        step = int(step)
+        row = rows[step - 1] if 1 <= step <= len(train_loss) else None
+        if row is None or row[2]:
+            rows.append(row := [step, "", ""])
+        row[2] = repr(float(loss))
+    rows.sort(key=lambda r: r[0])  # stable: an extra eval row follows its step's row
+    text = "\n".join([CSV_HEADER] + [f"{s},{t},{e}" for s, t, e in rows]) + "\n"
     with atomic_write(str(path)) as f:
-        f.write(data)
+        f.write(text.encode())
     return str(path)
 
 
@@ -79,103 +100,3 @@ def _png_matplotlib(steps, loss, ev, width, height, title) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
     return buf.getvalue()
-
-
-# --- the numpy rasteriser ----------------------------------------------------------------------
-
-def render(steps, loss, ev, width: int = WIDTH, height: int = HEIGHT) -> np.ndarray:
-    """uint8 RGB image [height, width, 3] of the curve (see the module docstring)."""
-    img = np.full((height, width, 3), 255, np.uint8)
-    left, right, top, bottom = 44, width - 12, 12, height - 22   # plot box in pixels
-    ok = np.isfinite(loss)
-    ev = ev[np.isfinite(ev).all(axis=1)] if len(ev) else ev
-    ys = np.concatenate([loss[ok], ev[:, 1]]) if len(ev) else loss[ok]
-    x_max = max(float(steps[-1]) if len(steps) else 1.0, float(ev[:, 0].max()) if len(ev) else 1.0, 1.0)
-    lo, hi = (float(ys.min()), float(ys.max())) if len(ys) else (0.0, 1.0)
-    pad = (hi - lo) * 0.05 or max(abs(hi) * 0.05, 1e-3)
-    lo, hi = lo - pad, hi + pad
-
-    def px(x, y):
-        return (left + (np.asarray(x) - 1) / max(x_max - 1, 1) * (right - left),
-                bottom - (np.asarray(y) - lo) / (hi - lo) * (bottom - top))
-
-    _line(img, [left, left, right], [top, bottom, bottom], (0, 0, 0))  # axes
-    if ok.any():
-        x, y = px(steps[ok], loss[ok])
-        cols = right - left + 1
-        if len(x) > 2 * cols:  # too many steps: per-column mean and a min..max band
-            c = np.clip(np.round(x - left).astype(int), 0, cols - 1)
-            ymin = np.full(cols, np.inf)
-            ymax = np.full(cols, -np.inf)
-            np.minimum.at(ymin, c, y)
-            np.maximum.at(ymax, c, y)
-            cnt = np.bincount(c, minlength=cols)
-            mean = np.bincount(c, y, minlength=cols) / np.maximum(cnt, 1)
-            has = cnt > 0
-            for col in np.flatnonzero(has):
-                img[int(round(ymax[col])):int(round(ymin[col])) + 1, left + col] = BAND_RGB
-            x, y = left + np.flatnonzero(has).astype(float), mean[has]
-        _line(img, x, y, TRAIN_RGB, thick=True)
-    if len(ev):
-        x, y = px(ev[:, 0], ev[:, 1])
-        _line(img, x, y, EVAL_RGB)
-        for cx, cy in zip(np.round(x).astype(int), np.round(y).astype(int)):
-            img[max(cy - 3, 0):cy + 4, max(cx - 3, 0):cx + 4] = EVAL_RGB
-    _text(img, _num(hi - pad), 2, top)
-    _text(img, _num(lo + pad), 2, bottom - 6)
-    _text(img, str(int(x_max)), right - 4 * len(str(int(x_max))), bottom + 6)
-    _text(img, "1", left, bottom + 6)
-    return img
-
-
-def _line(img, xs, ys, rgb, thick=False):
-    """Polyline through the points (pixel coordinates), sampled densely enough to be unbroken."""
-    xs, ys = np.asarray(xs, float), np.asarray(ys, float)
-    if len(xs) == 1:
-        xs, ys = np.repeat(xs, 2), np.repeat(ys, 2)
-    n = np.maximum(np.ceil(np.maximum(np.abs(np.diff(xs)), np.abs(np.diff(ys)))).astype(int), 1) + 1
-    t = np.concatenate([np.linspace(0, 1, k) for k in n])
-    i = np.repeat(np.arange(len(n)), n)
-    x = np.round(xs[i] + (xs[i + 1] - xs[i]) * t).astype(int)
-    y = np.round(ys[i] + (ys[i + 1] - ys[i]) * t).astype(int)
-    h, w = img.shape[:2]
-    for dy in ((0, 1) if thick else (0,)):
-        keep = (x >= 0) & (x < w) & (y + dy >= 0) & (y + dy < h)
-        img[y[keep] + dy, x[keep]] = rgb
-
-
-# 3x5 bitmap glyphs for the axis labels: 5 rows top to bottom, each a 3-bit number (4 = left pixel)
-_FONT = {"0": "75557", "1": "26227", "2": "71747", "3": "71717", "4": "55711", "5": "74717", "6": "74757",
-         "7": "71111", "8": "75757", "9": "75717", ".": "00002", "-": "00700", "e": "75747", "+": "02720"}
-
-
-def _glyph(ch) -> np.ndarray:
-    rows = [int(c) for c in _FONT.get(ch, "00000")]
-    return np.array([[(r >> (2 - b)) & 1 for b in range(3)] for r in rows], bool)
-
-
-def _text(img, s, x, y):
-    """Draw `s` with the 3x5 font, top-left at (x, y), in black (clipped to the image)."""
-    h, w = img.shape[:2]
-    for k, ch in enumerate(s):
-        g = _glyph(ch)
-        for (r, c) in zip(*np.nonzero(g)):
-            yy, xx = y + r, x + 4 * k + c
-            if 0 <= yy < h and 0 <= xx < w:
-                img[yy, xx] = 0
-
-
-def _num(v: float) -> str:
-    return f"{v:.3g}"
-
-
-def encode_png(rgb: np.ndarray) -> bytes:
-    """PNG bytes of a uint8 [height, width, 3] image (8-bit RGB, filter 0 on every row)."""
-    h, w, _ = rgb.shape
-    raw = np.concatenate([np.zeros((h, 1), np.uint8), np.ascontiguousarray(rgb, np.uint8).reshape(h, w * 3)], 1)
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw.tobytes(), 6)) + chunk(b"IEND", b""))

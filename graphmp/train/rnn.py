@@ -43,7 +43,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import GraphmpError
-from ..io import iter_graphs
+from ..ir import Names
 from ..opset import default_opset
 from .measure import measured_dims
 
@@ -176,23 +176,12 @@ class _Unroller:
 
     def __init__(self, model):
         self.opset = default_opset(model)
-        self.taken = set()
-        for g in iter_graphs(model.graph):
-            self.taken.update(t.name for t in g.initializer)
-            self.taken.update(v.name for v in list(g.input) + list(g.output) + list(g.value_info))
-            for n in g.node:
-                self.taken.update(list(n.input) + list(n.output) + [n.name])
+        self.names = Names(model, start=1)
         self.nodes, self.inits, self._ints = [], [], {}
         self.prefix = "rnn"
-        self._count = 0
 
     def fresh(self, hint: str) -> str:
-        while True:
-            self._count += 1
-            name = f"{self.prefix}/unrolled/{hint}_{self._count}"
-            if name not in self.taken:
-                self.taken.add(name)
-                return name
+        return self.names.numbered(f"{self.prefix}/unrolled/{hint}")
 
     def op(self, op_type, inputs, out=None, n_out=1, **attrs):
         outs = [out] if out else [self.fresh(op_type) for _ in range(n_out)]

@@ -48,7 +48,8 @@ CKPT = r"ckpt-\d+\.npz"
 NAMES = {"step_model": r"step\.onnx", "infer_model": r"infer\.onnx", "initial_state": r"state\.npz",
          "state_file": CKPT}
 # every file graphmp writes in a run folder (train-graph --force removes exactly these), train.json first
-RUN_NAMES = ("train.json", "checkpoint.json", "summary.json", "loss.png", "step.onnx", "state.npz", "infer.onnx")
+RUN_NAMES = ("train.json", "checkpoint.json", "summary.json", "loss.png", "loss.csv", "step.onnx", "state.npz",
+             "infer.onnx")
 RUN_FILE = re.compile("|".join(re.escape(n) for n in RUN_NAMES) + "|" + CKPT)
 REBUILD = "rebuild the run with `graphmp train-graph MODEL -o RUN --force`"
 FIX = {TRAIN_JSON: REBUILD,

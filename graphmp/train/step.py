@@ -10,6 +10,10 @@
 Only standard ONNX ops, so any current ONNX Runtime (CPU, CUDA, ...) runs it as an
 InferenceSession: one `run` = one optimizer step (or one micro-batch with grad_accum > 1).
 
+build_step takes a StepConfig (config.py; or the same keywords), then runs its phases in turn:
+_load_source -> _forward_and_loss -> _select_weights -> _convert_precision -> _add_backward
+-> _add_update -> _set_outputs -> _finish (checks, inference graph, the run folder written).
+
 State naming (every state tensor is a graph input AND a graph output):
     input X                      -> output  X + NEXT ("X__next")
     <weight>                     trainable FP32 master weight (the model's initializer name,
@@ -54,6 +58,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -66,11 +71,12 @@ from ..passes.prepare import initializers_out_of_inputs
 from . import losses, optim, source
 from .builder import (Builder, all_names, ancestors, dims, elem_name, lift_to_inputs, passes_full_check, producer,
                       prune, value_info)
-from .losses import LOSS, LOSSES  # noqa: F401  (re-exported)
-from .optim import ACCUM, ACCUM_COUNT, OPTIMIZERS, SCHEDULES
+from .config import PRECISIONS, StepConfig
+from .losses import LOSS, LOSSES
+from .optim import ACCUM, ACCUM_COUNT
 from .ort_checks import calibration_batch, check_runs
 from .runfiles import check_run_dir, write_run
-from .source import NON_TRAINABLE  # noqa: F401  (re-exported)
+from .source import NON_TRAINABLE
 
 NEXT = "__next"
 GRAD = "__grad"
@@ -81,7 +87,6 @@ FINITE = "all_finite"
 MIN_OPSET = 13
 FORMAT = 1
 
-PRECISIONS = ("mixed", "fp32", "bf16")
 # ops whose gradient rule needs the static lengths of its input's axes (graphmp/train/rules/resize.py,
 # auto_pad SAME_* of Conv/ConvTranspose/pools): with --shapes, the step graph's inputs are declared
 # at those sizes (the batch stays free)
@@ -107,57 +112,12 @@ def _static_length_tensors(model, cfg) -> list:
     return [t for n in model.graph.node for t in n.output if t]
 
 
-# old private names, kept for importers
+# old private names, kept for importers; names importers take from here
 _Builder = Builder
+_REEXPORTED = (LOSSES, NON_TRAINABLE, PRECISIONS)
 
 
-# --- build_step ------------------------------------------------------------------------
-
-def _validate_config(cfg: dict, path: str):
-    def bad(msg):
-        raise GraphmpError(f"{path}: {msg}")
-    losses.check_loss_config(cfg, bad)
-    if cfg["optimizer"] not in OPTIMIZERS:
-        bad(f"optimizer must be one of {OPTIMIZERS}, not '{cfg['optimizer']}'")
-    if cfg["precision"] not in PRECISIONS:
-        bad(f"precision must be one of {PRECISIONS}, not '{cfg['precision']}'")
-    if not cfg["lr"] > 0:
-        bad(f"lr must be > 0 (got {cfg['lr']})")
-    if cfg["lr_schedule"] not in SCHEDULES:
-        bad(f"lr_schedule must be one of {SCHEDULES}, not '{cfg['lr_schedule']}'")
-    if cfg["warmup_steps"] < 0:
-        bad(f"warmup_steps must be >= 0 (got {cfg['warmup_steps']})")
-    if cfg["lr_schedule"] != "constant":
-        if cfg["total_steps"] is None:
-            bad(f"lr_schedule '{cfg['lr_schedule']}' needs total_steps (--total-steps N: the optimizer steps "
-                "of the whole run, where the lr reaches its end)")
-        if cfg["total_steps"] <= cfg["warmup_steps"]:
-            bad(f"total_steps ({cfg['total_steps']}) must be larger than warmup_steps ({cfg['warmup_steps']})")
-    if cfg["grad_accum"] < 1:
-        bad(f"grad_accum must be >= 1 (got {cfg['grad_accum']})")
-    if cfg["precision"] == "bf16":
-        cfg["loss_scale"] = 1.0  # BF16 has FP32's exponent range: no loss scaling
-    if cfg["loss_scale"] != "dynamic":
-        try:
-            s = float(cfg["loss_scale"])
-        except (TypeError, ValueError):
-            s = -1.0
-        if not (s > 0 and np.isfinite(s)):
-            bad(f"loss_scale must be 'dynamic' or a positive number (got {cfg['loss_scale']!r})")
-        cfg["loss_scale"] = s
-    if not 0 < cfg["min_scale"] <= cfg["init_scale"] <= cfg["max_scale"]:
-        bad(f"need 0 < min_scale <= init_scale <= max_scale (got {cfg['min_scale']}, {cfg['init_scale']}, "
-            f"{cfg['max_scale']})")
-    if not (0 < cfg["backoff"] < 1 and cfg["growth"] > 1 and cfg["growth_interval"] >= 1):
-        bad("need 0 < backoff < 1, growth > 1 and growth_interval >= 1")
-    if cfg["clip_norm"] is not None and not cfg["clip_norm"] > 0:
-        bad(f"clip_norm must be > 0 (got {cfg['clip_norm']})")
-    if cfg["trainable"]:
-        try:
-            re.compile(cfg["trainable"])
-        except re.error as e:
-            bad(f"trainable '{cfg['trainable']}' is not a valid regular expression ({e})")
-
+# --- build_step: the phases --------------------------------------------------------------
 
 def _needed_opset(model) -> int:
     """The opset the gradient rules need for this model: 13, or more for ops whose
@@ -167,54 +127,50 @@ def _needed_opset(model) -> int:
     return max([MIN_OPSET] + [v for op, v in NEEDS_OPSET.items() if op in ops])
 
 
-def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None, label_name: str = "labels",
-               optimizer: str = "adamw", lr: float = 1e-3, momentum: float = 0.9, betas=(0.9, 0.999),
-               eps: float = 1e-8, weight_decay: float = 0.0, clip_norm: float | None = None,
-               loss_scale="dynamic", init_scale: float = 2.0**16, growth_interval: int = 2000,
-               backoff: float = 0.5, growth: float = 2.0, min_scale: float = 1.0, max_scale: float = 2.0**24,
-               precision: str = "mixed", output: str | None = None, trainable: str | None = None,
-               calibration=None, shapes=None, expose_grads: bool = False,
-               bn_momentum: float | None = None, class_axis: int = 1, ignore_index: int | None = None,
-               label_smoothing: float = 0.0, class_weights=None, lr_schedule: str = "constant",
-               warmup_steps: int = 0, total_steps: int | None = None, grad_accum: int = 1,
-               force: bool = False) -> dict:
-    """Write the training step for an FP32 model (path) to out_dir; return the train.json dict.
+@dataclass
+class _Source:
+    """The source model as the step is built from it (_load_source gives it)."""
+    path: str
+    model: onnx.ModelProto      # upgraded, external data inline, Constant weights lifted, Identity ties undone
+    raw: onnx.ModelProto        # as written (the opset upgrade may wrap a Softmax-11 in Flatten/Reshape)
+    base: str                   # the model's folder (its external data)
+    values: dict                # initializer -> numpy value
+    legacy_consts: set          # tensors the rewrite of experimental ops made (not trained)
+    constants: dict             # train.json "constant_weights"
+    untied: list                # train.json "untied"
+    out_name: str               # the tensor fed to the loss
+    data_inputs: list
 
-    loss: "cross-entropy" (integer class labels; class_axis, ignore_index, label_smoothing,
-    class_weights as torch's F.cross_entropy, see losses.py) or "mse" (mean over all
-    elements). output: the model tensor fed to the loss (default: the first graph output; any
-    intermediate tensor, e.g. the logits before a final Softmax, works). label_shape: e.g.
-    ["N"] (default: the output's shape without the class axis). trainable: regex over
-    initializer names (default: every float initializer the loss depends on, except BN
-    running statistics). loss_scale: "dynamic" (starts at init_scale) or a number (static).
-    lr_schedule "constant" | "linear" | "cosine" with warmup_steps / total_steps (optim.py),
-    grad_accum: optimizer update every grad_accum runs, on the mean gradient.
-    precision "mixed": the forward+loss graph goes through graphmp.convert (keep_io_types, so the
-    masters stay FP32 inputs with Casts to FP16 inside); "bf16": the same with target bf16 and
-    no loss scaling, refused when this machine's ONNX Runtime cannot run it. calibration: as
-    for convert, default a generated batch (shapes from `shapes` or a trial run) with the real
-    weights. The backward takes each op's precision from it. force: replace a run in a
-    non-empty out_dir (else refused).
-    """
-    from .autodiff import add_backward, training_forward
 
-    path = os.fspath(model)
-    out_dir = os.fspath(out_dir)
-    cfg = dict(loss=loss, label_shape=list(label_shape) if label_shape is not None else None,
-               label_name=label_name, optimizer=optimizer, lr=float(lr), momentum=float(momentum),
-               betas=[float(x) for x in betas], eps=float(eps), weight_decay=float(weight_decay),
-               clip_norm=None if clip_norm is None else float(clip_norm), loss_scale=loss_scale,
-               init_scale=float(init_scale), growth_interval=int(growth_interval), backoff=float(backoff),
-               growth=float(growth), min_scale=float(min_scale), max_scale=float(max_scale),
-               precision=precision, output=output, trainable=trainable, expose_grads=bool(expose_grads),
-               bn_momentum=bn_momentum, class_axis=int(class_axis),
-               ignore_index=None if ignore_index is None else int(ignore_index),
-               label_smoothing=float(label_smoothing), class_weights=losses.parse_class_weights(class_weights),
-               num_classes=None, lr_schedule=lr_schedule, warmup_steps=int(warmup_steps),
-               total_steps=None if total_steps is None else int(total_steps), grad_accum=int(grad_accum))
-    _validate_config(cfg, path)
-    check_run_dir(out_dir, force, path, calibration)
+@dataclass
+class _Forward:
+    """The forward + loss graph, then the step graph being built (each phase adds to it)."""
+    model: onnx.ModelProto
+    measured: dict              # declare_measured's report (train.json "measured_shapes")
+    label_dims: list
+    label_elem: int
+    running: dict               # BN running statistic -> its updated value
+    loss_t: str
+    weights: list = field(default_factory=list)     # trainable masters (graph inputs)
+    bn_stats: list = field(default_factory=list)    # BN running statistics (graph inputs)
+    convert_report: dict | None = None              # graphmp.convert's report (mixed, bf16)
 
+
+@dataclass
+class _State:
+    """The step graph's state: (name, kind) pairs, their initial values, counts for train.json."""
+    dynamic: bool               # dynamic loss scaling (SCALE, CLEAN are state)
+    n_before: int               # nodes of the forward + loss, before the backward
+    pairs: list = field(default_factory=list)
+    init: dict = field(default_factory=dict)
+
+
+def _load_source(path: str, cfg: dict) -> _Source:
+    """Needs the model path and cfg (output, label_name). Gives the source model read and
+    upgraded to the opset the gradient rules need, its weights' values (external data
+    brought inline: the run dir is self-contained), Constant weights lifted, Identity ties
+    undone; sets cfg["output"] (default: the first graph output). Refuses a model graphmp
+    converted, an output that is no tensor of it, and names the step graph needs."""
     src = load_model(path)
     if any(p.key == "graphmp" for p in src.metadata_props):
         raise GraphmpError(f"{path}: this model was already converted by graphmp; build the training step "
@@ -233,164 +189,232 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
             t.CopyFrom(numpy_helper.from_array(values[t.name], t.name))
     constants = source.lift_constant_weights(src, values)
     untied = source.untie_identity_initializers(src, values)
-    out_name = cfg["output"] = output or src.graph.output[0].name
+    out_name = cfg["output"] = cfg["output"] or src.graph.output[0].name
+    _check_names(src, path, out_name, cfg["label_name"])
+    return _Source(path, src, raw, base, values, legacy_consts, constants, untied, out_name,
+                   [v.name for v in src.graph.input])
+
+
+def _check_names(src, path: str, out_name: str, label_name: str) -> None:
+    """The loss's output is a tensor of the model; the names the step graph adds are not."""
     if out_name not in all_names(src):
         outs = [o.name for o in src.graph.output]
         raise GraphmpError(f"{path}: output '{out_name}' is not a tensor of the model; its outputs are {outs}.")
-    data_inputs = [v.name for v in src.graph.input]
     for reserved in [label_name, LOSS, FINITE, STEP, SCALE, CLEAN, ACCUM_COUNT]:
         if reserved in all_names(src):
             raise GraphmpError(f"{path}: the model already has a tensor named '{reserved}', which the step "
                                "graph needs" + (" (choose another label_name)" if reserved == label_name else "."))
 
-    # --- forward in training mode + loss ---------------------------------------------
-    fwd = copy.deepcopy(src)
+
+def _forward_graph(s: _Source, cfg: dict, shapes):
+    """Needs the source and `shapes`. Gives (forward model, declare_measured's report): a copy
+    of the source with LSTM/GRU unrolled over the sequence length the step is built for
+    (static in the model or pinned by `shapes`; cfg["recurrent"]), or its inputs pinned to
+    `shapes` when a gradient needs static lengths (cfg["pinned_shapes"]), and the ranks onnx
+    inference loses measured in ONNX Runtime and declared (cfg["measured_shapes"])."""
+    from .measure import declare_measured
+    from .rnn import decompose_recurrent, pin_inputs
+    fwd = copy.deepcopy(s.model)
     del fwd.graph.value_info[:]
-    # LSTM/GRU have no gradient rule: unrolled over the sequence length the step is built for
-    # (static in the model or pinned by `shapes`); the step graph then accepts only that length
-    from .rnn import decompose_recurrent
-    fwd, unrolled = decompose_recurrent(fwd, shapes=shapes, where=path)
+    # LSTM/GRU have no gradient rule: the step graph then accepts only that sequence length
+    fwd, unrolled = decompose_recurrent(fwd, shapes=shapes, where=s.path)
     if unrolled:
         cfg["recurrent"] = unrolled  # train.json: which LSTM/GRU nodes, sequence length, nodes added
     elif shapes and any(_needs_static_lengths(n) for n in fwd.graph.node):
         # Resize / SAME-padding gradients need the input lengths, which --shapes gives
-        from .rnn import pin_inputs
         pin_inputs(fwd, shapes)
         cfg["pinned_shapes"] = shapes if isinstance(shapes, str) else {k: list(v) for k, v in shapes.items()}
     # ranks that onnx inference loses (a Reshape to a computed shape): measured in ONNX Runtime at
     # the build's shapes and declared, dims only where they do not follow the free input dims
-    from .measure import declare_measured, declared_dims, redeclare, with_measure_note
-    measured = declare_measured(fwd, shapes, where=path, base_dir=base, need_static=_static_length_tensors(fwd, cfg))
+    measured = declare_measured(fwd, shapes, where=s.path, base_dir=s.base,
+                                need_static=_static_length_tensors(fwd, cfg))
     if measured["tensors"] or measured["note"]:
         cfg["measured_shapes"] = measured  # train.json: how many tensors, at which shapes, or why not
-    out_vi = value_info(src, out_name)
+    return fwd, measured
+
+
+def _output_dims(s: _Source, fwd, cfg: dict) -> list | None:
+    """Needs the source and the forward graph. Gives the dims of the output fed to the loss,
+    refusing one that is not FP32, and (cross-entropy) one that comes out of a Softmax."""
+    path, out_name = s.path, s.out_name
+    out_vi = value_info(s.model, out_name)
     if dims(out_vi) is None:  # the output is one of the measured tensors
         out_vi = value_info(fwd, out_name) or out_vi
     if out_vi is not None and out_vi.type.tensor_type.elem_type != TensorProto.FLOAT:
         raise GraphmpError(f"{path}: output '{out_name}' is not FP32; train from the FP32 model.")
-    soft = producer(raw, out_name, through_identity=True) or producer(src, out_name, through_identity=True)
+    soft = producer(s.raw, out_name, through_identity=True) or producer(s.model, out_name, through_identity=True)
     if cfg["loss"] == "cross-entropy" and soft is not None and soft.op_type in ("Softmax", "LogSoftmax"):
         raise GraphmpError(f"{path}: output '{out_name}' comes from a {soft.op_type}; cross-entropy needs the "
                            f"logits. Pass output=<the tensor before it> (--model-output {soft.input[0]}).")
-    out_dims = dims(out_vi)
-    label_dims, label_elem = losses.label_spec(cfg, out_dims, path)
+    return dims(out_vi)
+
+
+def _forward_and_loss(s: _Source, cfg: dict, config: StepConfig) -> _Forward:
+    """Needs the source and the config (shapes, bn_momentum, the loss's keys). Gives the forward
+    graph in training mode (BN batch statistics, Dropout on) ending in the FP32 loss, with the
+    labels' shape and type (sets cfg["label_shape"], cfg["num_classes"])."""
+    from .autodiff import training_forward
+    from .measure import with_measure_note
+    fwd, measured = _forward_graph(s, cfg, config.shapes)
+    out_dims = _output_dims(s, fwd, cfg)
+    label_dims, label_elem = losses.label_spec(cfg, out_dims, s.path)
     cfg["label_shape"] = label_dims
-    bn_kw = {} if bn_momentum is None else {"momentum": bn_momentum}
+    bn_kw = {} if config.bn_momentum is None else {"momentum": config.bn_momentum}
     try:
         running = training_forward(fwd, **bn_kw)  # {running stat: its updated value}
     except GraphmpError as e:
-        raise with_measure_note(e, measured, path) from None
-    b = Builder(fwd)
-    loss_t = losses.add_loss(fwd, b, cfg, out_dims, label_dims, label_elem)
+        raise with_measure_note(e, measured, s.path) from None
+    loss_t = losses.add_loss(fwd, Builder(fwd), cfg, out_dims, label_dims, label_elem)
+    return _Forward(fwd, measured, label_dims, label_elem, running, loss_t)
 
-    deps = ancestors(fwd.graph, loss_t)
+
+def _select_weights(s: _Source, f: _Forward, trainable: str | None) -> None:
+    """Needs the forward + loss graph. Sets f.weights (every FP32 initializer the loss depends
+    on, matching `trainable` or else with at least one axis; not BN statistics, op parameters
+    or legacy constants) and f.bn_stats, lifts both to graph inputs, makes the loss and the
+    updated BN statistics the outputs and prunes what they do not need (other heads)."""
+    fwd, values = f.model, s.values
+    deps = ancestors(fwd.graph, f.loss_t)
     rx = re.compile(trainable) if trainable else None
-    fixed = source.non_trainable_slots(fwd) | legacy_consts
-    weights = [t.name for t in src.graph.initializer
-               if t.data_type == TensorProto.FLOAT and t.name in deps and t.name not in running
-               and t.name not in fixed and (rx.search(t.name) if rx else values[t.name].ndim >= 1)]
-    if not weights:
-        raise GraphmpError(f"{path}: no trainable FP32 initializer feeds output '{out_name}'"
+    fixed = source.non_trainable_slots(fwd) | s.legacy_consts
+    f.weights = [t.name for t in s.model.graph.initializer
+                 if t.data_type == TensorProto.FLOAT and t.name in deps and t.name not in f.running
+                 and t.name not in fixed and (rx.search(t.name) if rx else values[t.name].ndim >= 1)]
+    if not f.weights:
+        raise GraphmpError(f"{s.path}: no trainable FP32 initializer feeds output '{s.out_name}'"
                            + (f" matching trainable='{trainable}'" if trainable else "")
-                           + source.subgraph_weights_note(src) + ".")
-    bn_stats = [n for n in running if n in values]
-    lift_to_inputs(fwd, weights + bn_stats)
+                           + source.subgraph_weights_note(s.model) + ".")
+    f.bn_stats = [n for n in f.running if n in values]
+    lift_to_inputs(fwd, f.weights + f.bn_stats)
     del fwd.graph.output[:]
-    fwd.graph.output.append(helper.make_tensor_value_info(loss_t, TensorProto.FLOAT, []))
-    for r in bn_stats:
-        fwd.graph.output.append(helper.make_tensor_value_info(running[r], TensorProto.FLOAT, list(values[r].shape)))
+    fwd.graph.output.append(helper.make_tensor_value_info(f.loss_t, TensorProto.FLOAT, []))
+    for r in f.bn_stats:
+        fwd.graph.output.append(helper.make_tensor_value_info(f.running[r], TensorProto.FLOAT,
+                                                              list(values[r].shape)))
     prune(fwd)
 
-    # --- mixed precision: the convert pipeline assigns every op's precision -------------
-    convert_report = None
-    if cfg["precision"] in ("mixed", "bf16"):
-        from ..convert import convert
-        cal = calibration
-        if cal is None:
-            cal = [calibration_batch(src, base, shapes, path, cfg, label_dims, label_elem,
-                                      {w: values[w] for w in weights + bn_stats})]
-        carried = declared_dims(fwd) if measured["tensors"] else {}
-        rep = convert(fwd, calibration=cal, keep_io_types=True,
-                      **({"target": "bf16"} if cfg["precision"] == "bf16" else {}))
-        fwd, convert_report = rep.model, rep.to_dict()
-        if carried:  # convert re-derives value_info, dropping what was measured: declared again
-            redeclare(fwd, carried)
 
-    # --- backward, loss scaling, optimizer ----------------------------------------------
-    b = Builder(fwd)
-    g = fwd.graph
-    dynamic = cfg["loss_scale"] == "dynamic"
-    if dynamic:
+def _convert_precision(s: _Source, f: _Forward, cfg: dict, config: StepConfig) -> None:
+    """Needs the pruned forward + loss graph. precision mixed/bf16: the convert pipeline assigns
+    every op's precision (keep_io_types: the masters stay FP32 inputs), calibrated on
+    config.calibration or a generated batch with the real weights; sets f.model and
+    f.convert_report. fp32: nothing."""
+    if cfg["precision"] not in ("mixed", "bf16"):
+        return
+    from ..convert import convert
+    from .measure import declared_dims, redeclare
+    cal = config.calibration
+    if cal is None:
+        cal = [calibration_batch(s.model, s.base, config.shapes, s.path, cfg, f.label_dims, f.label_elem,
+                                 {w: s.values[w] for w in f.weights + f.bn_stats})]
+    carried = declared_dims(f.model) if f.measured["tensors"] else {}
+    rep = convert(f.model, calibration=cal, keep_io_types=True,
+                  **({"target": "bf16"} if cfg["precision"] == "bf16" else {}))
+    f.model, f.convert_report = rep.model, rep.to_dict()
+    if carried:  # convert re-derives value_info, dropping what was measured: declared again
+        redeclare(f.model, carried)
+
+
+def _add_backward(s: _Source, f: _Forward, cfg: dict, expose_grads: bool) -> tuple[Builder, dict, _State]:
+    """Needs the (converted) forward + loss graph. Adds the loss-scale and step-counter inputs
+    and the backward seeded with the scale S; gives (the builder, {weight: unscaled FP32
+    gradient} (named <weight>__grad with expose_grads), the state with its counts)."""
+    from .autodiff import add_backward
+    from .measure import with_measure_note
+    b, g = Builder(f.model), f.model.graph
+    st = _State(dynamic=cfg["loss_scale"] == "dynamic", n_before=0)
+    if st.dynamic:
         g.input.append(helper.make_tensor_value_info(SCALE, TensorProto.FLOAT, []))
         g.input.append(helper.make_tensor_value_info(CLEAN, TensorProto.INT64, []))
         scale = SCALE
     else:
         scale = b.const(cfg["loss_scale"])
     g.input.append(helper.make_tensor_value_info(STEP, TensorProto.INT64, []))
-    n_before = len(g.node)
+    st.n_before = len(g.node)
     try:
-        grads_scaled = add_backward(fwd, loss_t, weights, seed=scale)
+        grads_scaled = add_backward(f.model, f.loss_t, f.weights, seed=scale)
     except GraphmpError as e:
-        raise with_measure_note(e, measured, path) from None
-    missing = [w for w in weights if w not in grads_scaled]
+        raise with_measure_note(e, f.measured, s.path) from None
+    missing = [w for w in f.weights if w not in grads_scaled]
     if missing:
-        raise GraphmpError(f"{path}: no gradient was produced for {missing}")
-    grads = {w: b.op("Div", [grads_scaled[w], scale], out=(w + GRAD) if expose_grads else None) for w in weights}
-    new, applied, finite, accum_init = _update(b, cfg, grads, loss_t, dynamic)
-    for r in bn_stats:
-        new[r] = running[r]
+        raise GraphmpError(f"{s.path}: no gradient was produced for {missing}")
+    grads = {w: b.op("Div", [grads_scaled[w], scale], out=(w + GRAD) if expose_grads else None)
+             for w in f.weights}
+    return b, grads, st
+
+
+def _add_update(s: _Source, f: _Forward, b: Builder, cfg: dict, grads: dict, st: _State) -> None:
+    """Needs the gradients. Adds the update (_update: accumulation, finiteness, clipping,
+    schedule, optimizer, loss scale) and its state inputs (moments, accumulation window);
+    fills st.pairs with every state tensor and its kind, each X__next output gated: applied
+    only when the step is (BN statistics: when this run is finite)."""
+    g = f.model.graph
+    new, applied, finite, accum_init = _update(b, cfg, grads, f.loss_t, st.dynamic)
+    for r in f.bn_stats:
+        new[r] = f.running[r]
     moments = new.pop("__moments__")
     for m in moments:
-        g.input.append(helper.make_tensor_value_info(m, TensorProto.FLOAT, list(values[moments[m]].shape)))
+        g.input.append(helper.make_tensor_value_info(m, TensorProto.FLOAT, list(s.values[moments[m]].shape)))
     for a in accum_init:
         g.input.append(helper.make_tensor_value_info(a, TensorProto.FLOAT if a != ACCUM_COUNT else TensorProto.INT64,
-                                                     [] if a == ACCUM_COUNT else list(values[accum_init[a]].shape)))
-    outputs = [helper.make_tensor_value_info(loss_t, TensorProto.FLOAT, []),
-               helper.make_tensor_value_info(FINITE, TensorProto.BOOL, [])]
-    state = [(w, "weight") for w in weights] + [(m, "moment") for m in moments] + [(r, "bn") for r in bn_stats]
-    state += [(STEP, "counter")]
-    state += [(a, "accum" if a != ACCUM_COUNT else "counter") for a in accum_init]
-    for name, kind in state:
+                                                     [] if a == ACCUM_COUNT else list(s.values[accum_init[a]].shape)))
+    st.pairs = ([(w, "weight") for w in f.weights] + [(m, "moment") for m in moments]
+                + [(r, "bn") for r in f.bn_stats])
+    st.pairs += [(STEP, "counter")]
+    st.pairs += [(a, "accum" if a != ACCUM_COUNT else "counter") for a in accum_init]
+    for name, kind in st.pairs:
         if kind == "accum" or name == ACCUM_COUNT:  # accumulate()'s next value already holds the update logic
             b.op("Identity", [new[name]], out=name + NEXT)
         else:
             gate = finite if kind == "bn" else applied  # BN statistics follow each finite forward
             b.op("Where", [gate, new[name], name], out=name + NEXT)
-    if dynamic:
-        state += [(SCALE, "scale"), (CLEAN, "counter")]
-    elem_of = {STEP: TensorProto.INT64, CLEAN: TensorProto.INT64, ACCUM_COUNT: TensorProto.INT64}
+    if st.dynamic:
+        st.pairs += [(SCALE, "scale"), (CLEAN, "counter")]
+    st.init = _initial_state(s, st.pairs, moments, accum_init, cfg)
+
+
+def _initial_state(s: _Source, pairs: list, moments: dict, accum_init: dict, cfg: dict) -> dict:
+    """{state tensor: initial value}: weights and BN statistics from the model, moments and
+    accumulators zero, S its init_scale, counters 0."""
     init = {}
-    for name, kind in state:
+    for name, kind in pairs:
         if kind in ("weight", "bn"):
-            init[name] = values[name].astype(np.float32)
+            init[name] = s.values[name].astype(np.float32)
         elif kind in ("moment", "accum"):
-            init[name] = np.zeros_like(values[moments.get(name) or accum_init[name]], dtype=np.float32)
+            init[name] = np.zeros_like(s.values[moments.get(name) or accum_init[name]], dtype=np.float32)
         elif name == SCALE:
             init[name] = np.array(cfg["init_scale"], np.float32)
         else:
             init[name] = np.array(0, np.int64)
-        outputs.append(helper.make_tensor_value_info(name + NEXT, elem_of.get(name, TensorProto.FLOAT),
-                                                     list(init[name].shape)))
+    return init
+
+
+def _set_outputs(f: _Forward, st: _State, expose_grads: bool) -> None:
+    """Needs the state (its initial values give the shapes). Sets the step graph's outputs:
+    loss, all_finite, every X__next (in the state's order), then <weight>__grad with
+    expose_grads."""
+    elem_of = {STEP: TensorProto.INT64, CLEAN: TensorProto.INT64, ACCUM_COUNT: TensorProto.INT64}
+    outputs = [helper.make_tensor_value_info(f.loss_t, TensorProto.FLOAT, []),
+               helper.make_tensor_value_info(FINITE, TensorProto.BOOL, [])]
+    outputs += [helper.make_tensor_value_info(name + NEXT, elem_of.get(name, TensorProto.FLOAT),
+                                              list(st.init[name].shape)) for name, _ in st.pairs]
     if expose_grads:
-        outputs += [helper.make_tensor_value_info(w + GRAD, TensorProto.FLOAT, list(values[w].shape))
-                    for w in weights]
-    del g.output[:]
-    g.output.extend(outputs)
-    _check_no_fp16_state(fwd, weights, path)
-    check_runs(fwd, path, bf16=cfg["precision"] == "bf16")
+        outputs += [helper.make_tensor_value_info(w + GRAD, TensorProto.FLOAT, list(st.init[w].shape))
+                    for w in f.weights]
+    del f.model.graph.output[:]
+    f.model.graph.output.extend(outputs)
 
-    # --- inference graph for eval/export: the source model, trained tensors as inputs ----
-    infer = copy.deepcopy(src)
-    lift_to_inputs(infer, weights + bn_stats)
 
-    shared = source.shared_weights(src, weights)
-    warning = source.eval_export_warning(src, path)
-    # a source that onnx's full check refuses (ONNX Runtime may run it all the same): its step
-    # graph cannot pass that check either, so it gets the basic check (and the ORT load above)
-    src_check = passes_full_check(src)
+def _source_check_warnings(s: _Source) -> tuple[list, str | None]:
+    """(train.json warnings about the source, onnx's full-check failure or None). A source
+    that onnx's full check refuses (ONNX Runtime may run it all the same): its step graph
+    cannot pass that check either, so it gets the basic check (and the ORT load)."""
+    path = s.path
+    warning = source.eval_export_warning(s.model, path)
+    src_check = passes_full_check(s.model)
     if src_check is not None:
         try:
-            onnx.checker.check_model(src)
+            onnx.checker.check_model(s.model)
         except onnx.checker.ValidationError as e:
             raise GraphmpError(f"{path}: the model fails onnx's checker ({str(e).strip().splitlines()[0][:200]}); "
                                "fix the model (onnx.checker.check_model names the problem), then build its "
@@ -398,24 +422,91 @@ def build_step(model, out_dir, *, loss: str = "cross-entropy", label_shape=None,
     checked = [] if src_check is None else [
         f"{path}: the model fails onnx's full check ({src_check}); its step graph was checked with onnx's "
         "basic checker and loaded in ONNX Runtime"]
-    meta = {
-        "format": FORMAT, "source": os.path.abspath(path), "step_model": "step.onnx", "infer_model": "infer.onnx",
-        "initial_state": "state.npz", "inputs": {n: dims(value_info(src, n)) for n in data_inputs},
-        "input_types": {n: elem_name(src, n) for n in data_inputs},
-        "label": {"name": label_name, "shape": label_dims, "dtype": "int64" if label_elem == TensorProto.INT64
-                  else "float32"},
-        "model_output": out_name, "loss_output": loss_t, "finite_output": FINITE,
-        "state": [{"input": n, "output": n + NEXT, "kind": k} for n, k in state],
-        "weights": weights, "bn_stats": bn_stats, "dynamic_scale": dynamic, "untied": untied,
-        "constant_weights": constants, "shared_weights": shared,
-        "warnings": ([warning] if warning else []) + checked,
+    return ([warning] if warning else []) + checked, src_check
+
+
+def _meta(s: _Source, f: _Forward, st: _State, cfg: dict, expose_grads: bool, warnings: list) -> dict:
+    """The train.json dict of the built step (names, shapes, config, source path)."""
+    src, weights = s.model, f.weights
+    return {
+        "format": FORMAT, "source": os.path.abspath(s.path), "step_model": "step.onnx", "infer_model": "infer.onnx",
+        "initial_state": "state.npz", "inputs": {n: dims(value_info(src, n)) for n in s.data_inputs},
+        "input_types": {n: elem_name(src, n) for n in s.data_inputs},
+        "label": {"name": cfg["label_name"], "shape": f.label_dims,
+                  "dtype": "int64" if f.label_elem == TensorProto.INT64 else "float32"},
+        "model_output": s.out_name, "loss_output": f.loss_t, "finite_output": FINITE,
+        "state": [{"input": n, "output": n + NEXT, "kind": k} for n, k in st.pairs],
+        "weights": weights, "bn_stats": f.bn_stats, "dynamic_scale": st.dynamic, "untied": s.untied,
+        "constant_weights": s.constants, "shared_weights": source.shared_weights(src, weights),
+        "warnings": warnings,
         "grads": {w: w + GRAD for w in weights} if expose_grads else {},
-        "nodes": {"forward": n_before, "total": len(g.node)}, "config": cfg,
-        "convert": None if convert_report is None else {
-            k: convert_report.get(k) for k in ("nodes", "casts_added", "fp32_by_reason", "calibration")},
+        "nodes": {"forward": st.n_before, "total": len(f.model.graph.node)}, "config": cfg,
+        "convert": None if f.convert_report is None else {
+            k: f.convert_report.get(k) for k in ("nodes", "casts_added", "fp32_by_reason", "calibration")},
     }
-    write_run(out_dir, fwd, infer, init, meta, full=src_check is None)
+
+
+def _finish(s: _Source, f: _Forward, st: _State, cfg: dict, config: StepConfig, out_dir: str) -> dict:
+    """Needs the finished step graph. Checks it (FP32 masters; ONNX Runtime loads and runs
+    it), makes the inference graph for eval/export (the source model, trained tensors as
+    inputs) and writes the run (train.json last); gives the train.json dict."""
+    _check_no_fp16_state(f.model, f.weights, s.path)
+    check_runs(f.model, s.path, bf16=cfg["precision"] == "bf16")
+    infer = copy.deepcopy(s.model)
+    lift_to_inputs(infer, f.weights + f.bn_stats)
+    warnings, src_check = _source_check_warnings(s)
+    meta = _meta(s, f, st, cfg, config.expose_grads, warnings)
+    write_run(out_dir, f.model, infer, st.init, meta, full=src_check is None)
     return meta
+
+
+def _resolve_config(config: StepConfig | None, options: dict, path: str) -> StepConfig:
+    """The StepConfig build_step runs with: `config` (default: all defaults) with `options`
+    on top, converted and checked (errors start with the model path)."""
+    if config is not None and not isinstance(config, StepConfig):
+        raise TypeError(f"build_step(): config must be a StepConfig (StepConfig.from_kwargs(...)), "
+                        f"not {type(config).__name__}")
+    base = config.as_kwargs() if config is not None else {}
+    return StepConfig.from_kwargs(path, **{**base, **options})
+
+
+# --- build_step ------------------------------------------------------------------------
+
+def build_step(model, out_dir, config: StepConfig | None = None, **options) -> dict:
+    """Write the training step for an FP32 model (path) to out_dir; return the train.json dict.
+
+    The options: a StepConfig (graphmp.train.config), or keywords (StepConfig's fields, the
+    flags of `graphmp train-graph`; on top of `config` when both are given). Checked before
+    any work: an unknown one is a TypeError, a bad value a GraphmpError naming it.
+
+    loss: "cross-entropy" (integer class labels; class_axis, ignore_index, label_smoothing,
+    class_weights as torch's F.cross_entropy, see losses.py) or "mse" (mean over all
+    elements). output: the model tensor fed to the loss (default: the first graph output; any
+    intermediate tensor, e.g. the logits before a final Softmax, works). label_shape: e.g.
+    ["N"] (default: the output's shape without the class axis). trainable: regex over
+    initializer names (default: every float initializer the loss depends on, except BN
+    running statistics). loss_scale: "dynamic" (starts at init_scale) or a number (static).
+    lr_schedule "constant" | "linear" | "cosine" with warmup_steps / total_steps (optim.py),
+    grad_accum: optimizer update every grad_accum runs, on the mean gradient.
+    precision "mixed": the forward+loss graph goes through graphmp.convert (keep_io_types, so the
+    masters stay FP32 inputs with Casts to FP16 inside); "bf16": the same with target bf16 and
+    no loss scaling, refused when this machine's ONNX Runtime cannot run it. calibration: as
+    for convert, default a generated batch (shapes from `shapes` or a trial run) with the real
+    weights. The backward takes each op's precision from it. force: replace a run in a
+    non-empty out_dir (else refused).
+    """
+    path, out_dir = os.fspath(model), os.fspath(out_dir)
+    config = _resolve_config(config, options, path)
+    cfg = config.to_json_dict()  # train.json "config"; the phases add what they find
+    check_run_dir(out_dir, config.force, path, config.calibration)
+    s = _load_source(path, cfg)
+    f = _forward_and_loss(s, cfg, config)
+    _select_weights(s, f, config.trainable)
+    _convert_precision(s, f, cfg, config)
+    b, grads, st = _add_backward(s, f, cfg, config.expose_grads)
+    _add_update(s, f, b, cfg, grads, st)
+    _set_outputs(f, st, config.expose_grads)
+    return _finish(s, f, st, cfg, config, out_dir)
 
 
 def _update(b: Builder, cfg: dict, grads: dict, loss_t: str, dynamic: bool):
