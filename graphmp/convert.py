@@ -183,7 +183,7 @@ def _reason_group(reason: str) -> str:
         return "INT8 Q/DQ op (kept for the INT8 fusion)"
     if reason.startswith("FP32 spread"):
         return "FP32 spread from an FP32 neighbour"
-    if reason.endswith("(FP32 op class)"):
+    if "is range-sensitive (FP32 op class)" in reason:  # also a Softmax --norm-io left FP32 (paint.NORM_KEPT)
         return "range-sensitive op (FP32 op class)"
     if reason.startswith("no ") and " form of " in reason:
         return "no low-precision form at this opset"
