@@ -82,7 +82,7 @@ def _reach(starts, nbrs, ok):
     return seen
 
 
-def _joins(nodes, pred, kind, reach) -> set:
+def _joins(nodes, succ, pred, kind, reach) -> set:
     """ids of the follow nodes where FP32 from a deny node meets FP16 work: a node reached
     by the spread that also reads a tensor of allow work (directly or through clear nodes,
     not itself reached by the spread), e.g. the residual Add of conv(x) + fp32_branch(x).
@@ -92,13 +92,9 @@ def _joins(nodes, pred, kind, reach) -> set:
     deny -> ... -> deny rule), as the residual stream into a LayerNorm does."""
     low = {id(n) for n in nodes if kind(n) == "allow"}
     todo = [n for n in nodes if id(n) in low]
-    succ_clear = {}
-    for n in nodes:
-        for p in pred[id(n)]:
-            succ_clear.setdefault(id(p), []).append(n)
     while todo:
         n = todo.pop()
-        for m in succ_clear.get(id(n), ()):
+        for m in succ[id(n)]:
             if kind(m) == "clear" and id(m) not in low:
                 low.add(id(m))
                 todo.append(m)
@@ -127,7 +123,7 @@ def paint_graph(ctx, g):
     deny = {id(n): n for n in nodes if kind(n) == "deny"}
     free = lambda m: kind(m) in ("infer", "clear", "norm")  # noqa: E731
     reach = _reach(deny.values(), succ, free)
-    joins = _joins(nodes, pred, kind, reach)
+    joins = _joins(nodes, succ, pred, kind, reach)
     spread = _reach(deny.values(), succ, lambda m: free(m) and id(m) not in joins)
     ends = [m for m in spread.values() if kind(m) in ("infer", "norm")]
     ends += [m for m in reach.values() if any(id(s) in deny for s in succ[id(m)])]  # deny -> ... -> deny
