@@ -180,20 +180,31 @@ def _partners(n, i):
             if j < len(n.inputs if side == "in" else n.outputs)]
 
 
-def _readers(g, n, consumers):
-    """(tensor, reader) pairs of n's first output and of what data movement (PASS_THROUGH,
-    through its first input) makes of it: whoever reads the value, unchanged but reshaped."""
+def _moves_data(c, t) -> bool:
+    """c passes the value t unchanged but reshaped (PASS_THROUGH, through its first input)."""
+    return c.op_type in PASS_THROUGH and bool(c.inputs) and c.inputs[0] == t
+
+
+def _elementwise(c, t) -> bool:
+    """c is follow or clear work: elementwise math or data movement."""
+    return ops.op_class(c.op_type, c.domain) in ("follow", "clear")
+
+
+def _readers(g, n, consumers, through=_moves_data, outputs=1, max_depth=None):
+    """(tensor, reader) pairs of n's first `outputs` outputs (None: all) and of what the
+    readers `through` accepts make of them, up to max_depth such steps (None: any). By
+    default: whoever reads n's value, unchanged but reshaped."""
     users = consumers(g)
-    todo, seen = [o for o in n.outputs[:1] if o], set()
+    todo, seen = [(o, 0) for o in n.outputs[:outputs] if o], set()
     while todo:
-        t = todo.pop()
+        t, depth = todo.pop()
         if t in seen:
             continue
         seen.add(t)
         for c in users.get(t, ()):
             yield t, c
-            if c.op_type in PASS_THROUGH and c.inputs and c.inputs[0] == t:
-                todo.extend(o for o in c.outputs if o)
+            if through(c, t) and (max_depth is None or depth < max_depth):
+                todo.extend((o, depth + 1) for o in c.outputs if o)
 
 
 def _reaches_guard(g, n, consumers) -> str | None:
@@ -340,20 +351,11 @@ CANCEL_WALK = 8   # follow/clear steps searched from a node's outputs for a subt
 def _reaches_subtraction(g, n, consumers) -> bool:
     """n's outputs reach a subtracting op (SUBTRACTING: Sub, a mean, a normalisation's
     data input) through at most CANCEL_WALK follow/clear nodes."""
-    users = consumers(g)
-    todo, seen = [(o, 0) for o in n.outputs if o], set()
-    while todo:
-        t, depth = todo.pop()
-        for c in users.get(t, ()):
-            if c.op_type in SUBTRACTING and (c.op_type == "Sub" or (c.inputs and c.inputs[0] == t)):
-                return True
-            if depth < CANCEL_WALK and id(c) not in seen and ops.op_class(c.op_type, c.domain) in ("follow", "clear"):
-                seen.add(id(c))
-                todo.extend((o, depth + 1) for o in c.outputs if o)
-    return False
+    return any(c.op_type in SUBTRACTING and (c.op_type == "Sub" or c.inputs[0] == t)
+               for t, c in _readers(g, n, consumers, through=_elementwise, outputs=None, max_depth=CANCEL_WALK))
 
 
-def range_threshold(ctx, g, n, consumers) -> float:
+def _range_threshold(ctx, g, n, consumers) -> float:
     """The |x| above which rule 6 keeps n FP32: --range-threshold when given, else
     RANGE_CANCELS on the way into a subtraction and FP16_MAX / RANGE_HEADROOM elsewhere."""
     if ctx.options.range_threshold is not None:
@@ -373,7 +375,7 @@ def _range_reason(ctx, g, n, consumers) -> tuple[str | None, float]:
             continue
         widest = max(widest, r)
         if limit is None and r > RANGE_CANCELS:
-            limit = range_threshold(ctx, g, n, consumers)
+            limit = _range_threshold(ctx, g, n, consumers)
         if reason is None and limit is not None and r > limit:
             why = ("" if user is not None else
                    ", on the way into a subtraction" if limit == RANGE_CANCELS else
