@@ -191,3 +191,45 @@ def test_one_hot_cast_goes_straight_to_fp16():
     assert ("eq", TP.FLOAT16) in casts and len(casts) == 2, casts   # the one-hot, and y back to FP32
     ids = {"ids": np.array([[0], [3], [7], [9], [2]], np.int64)}
     assert check(m, out, [ids]).passed
+
+
+def gelu_tanh_mlp(square_summed=False):
+    """x -> MatMul -> GELU (tanh form, with Pow(h, 3)) -> MatMul -> y; square_summed adds
+    Pow(h, 2) -> ReduceMean, a variance, as a second output."""
+    d = 16
+    c = lambda name, v: nph.from_array(np.array(v, np.float32), name)  # noqa: E731
+    nodes = [oh.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+             oh.make_node("Pow", ["h", "three"], ["h3"], name="cube"),
+             oh.make_node("Mul", ["h3", "k"], ["a"], name="k_mul"),
+             oh.make_node("Add", ["h", "a"], ["b"], name="inner_add"),
+             oh.make_node("Mul", ["b", "s"], ["u"], name="scale"),
+             oh.make_node("Tanh", ["u"], ["t"], name="tanh"),
+             oh.make_node("Add", ["t", "one"], ["v"], name="one_add"),
+             oh.make_node("Mul", ["h", "v"], ["hv"], name="gate"),
+             oh.make_node("Mul", ["hv", "half"], ["g"], name="half_mul"),
+             oh.make_node("MatMul", ["g", "w2"], ["y"], name="fc2")]
+    outs = [oh.make_tensor_value_info("y", TP.FLOAT, [4, d])]
+    if square_summed:
+        nodes += [oh.make_node("Pow", ["h", "two"], ["h2"], name="square"),
+                  oh.make_node("ReduceMean", ["h2"], ["var"], name="mean_sq", axes=[-1])]
+        outs.append(oh.make_tensor_value_info("var", TP.FLOAT, [4, 1]))
+    inits = [nph.from_array(_w(11, (d, d), 0.3), "w1"), nph.from_array(_w(12, (d, d), 0.3), "w2"),
+             c("three", 3.0), c("two", 2.0), c("k", 0.044715), c("s", 0.7978845608), c("one", 1.0), c("half", 0.5)]
+    return _model(nodes, [oh.make_tensor_value_info("x", TP.FLOAT, [4, d])], outs, inits)
+
+
+def test_gelu_cube_between_matmuls_is_elementwise_math():
+    m = gelu_tanh_mlp()
+    rep = graphmp.convert(m, None)
+    assert "cube" not in rep.fp32_nodes and _out_type(rep.model, "cube") == TP.FLOAT16, rep.fp32_nodes
+    assert sum(n.op_type == "Cast" for n in rep.model.graph.node) == 2        # x in, y out: no island
+    # without calibration nothing measured Pow's range: it stays FP32, as its class says
+    blind = graphmp.convert(m, None, calibration="off")
+    assert blind.fp32_nodes["cube"].startswith("Pow is range-sensitive")
+    data = [{"x": np.random.default_rng(s).standard_normal((4, 16)).astype(np.float32)} for s in (1, 2)]
+    assert check(m, rep.model, data).passed
+
+
+def test_a_square_that_is_summed_stays_fp32():
+    rep = graphmp.convert(gelu_tanh_mlp(square_summed=True), None)
+    assert rep.fp32_nodes["square"].startswith("Pow is range-sensitive") and "cube" not in rep.fp32_nodes

@@ -34,6 +34,8 @@ reason recorded) when any of these hold, in this order of precedence:
      --norm-io names (default softmax: Softmax, LogSoftmax; all: LayerNormalization too)
      get the class "norm" instead: paint lowers them only where both their input and
      their output are low-precision work (their kernels accumulate in FP32, ops.NORM_IO);
+     a Pow by a positive scalar constant whose output range calibration measured and no
+     sum reduction reads (GELU's x^3) is elementwise math: class follow;
   8. it squares a tensor (Mul(x, x)) whose squares are summed (ReduceSum/ReduceMean, through
      data movement), as Pow already is by its class: a variance taken as E[x^2] - E[x]^2
      (Flax's LayerNorm, exported by jax2tf) cancels everything but the FP16 rounding of
@@ -284,6 +286,25 @@ def _summed_square(g, n, consumers) -> bool:
     return any(c.op_type in SUM_REDUCTIONS for _, c in _readers(g, n, consumers))
 
 
+def _bounded_power(ctx, g, n, consumers) -> bool:
+    """Pow by a positive scalar constant (GELU's x^3, a square root) whose output range
+    calibration measured, and rule 6 therefore cleared, and whose result no sum reduction
+    reads (the variance of a decomposed LayerNorm stays FP32): elementwise math, rounded
+    once like Mul, so it follows its neighbours instead of forming an FP32 island."""
+    if n.op_type != "Pow" or n.domain not in ("", "ai.onnx") or len(n.inputs) != 2:
+        return False
+    owner = g.owner_of(n.inputs[1])
+    if owner is None or n.inputs[1] not in owner.initializers:
+        return False
+    e = tensor_array(owner.initializers[n.inputs[1]], ctx.base_dir)
+    if e.size != 1 or not float(e.ravel()[0]) > 0:
+        return False
+    out_owner = g.owner_of(n.outputs[0])
+    if ctx.ranges.get((out_owner.key if out_owner is not None else g.key, n.outputs[0])) is None:
+        return False
+    return not any(c.op_type in SUM_REDUCTIONS for _, c in _readers(g, n, consumers))
+
+
 RECURRENCE_REASON = ("recurrent state: elementwise math from a Loop/Scan body's carried float state to its next "
                      "value is rounded again at every iteration, so FP16 error compounds")
 
@@ -444,6 +465,8 @@ def classify(ctx):
         if info.reason is None and cls == "fp32":
             if ops.norm_io(n, opt.norm_io):
                 info.cls = "norm"  # paint lowers it only between low-precision work
+            elif _bounded_power(ctx, g, n, consumers):
+                info.cls = "follow"
             else:
                 info.reason = f"{n.op_type} is range-sensitive (FP32 op class)"
         if info.reason is None and _summed_square(g, n, consumers):
