@@ -22,7 +22,7 @@ TOUR_DIR = "/tmp/graphmp-tour/"
 SETUP = [
     "python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]' && "
     ".venv/bin/graphmp convert models/real/mnist_cntk.onnx -o /tmp/mnist.mp.onnx --validate",
-    "python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]' && .venv/bin/python -m pytest -q",
+    "python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]' && .venv/bin/python -m pytest",
 ]
 COMMAND_TIMEOUT_S = 120
 # options whose value is a file or folder a command writes
