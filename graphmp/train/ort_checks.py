@@ -4,7 +4,10 @@
   calibrated on, with labels shaped after what the output really is on it;
 - check_runs(): the finished step graph loads in ONNX Runtime (with this machine's providers
   for BF16, whose kernels may be missing), so a run folder `graphmp train` cannot open is
-  never written.
+  never written;
+- prove_runs(): it also runs: one step, and one inference of the eval/export graph, on a
+  generated batch of the build's shapes, so a graph that loads but cannot step (an op the
+  rewrite gave a form ONNX Runtime's kernel refuses) fails the build, not the first step.
 """
 from __future__ import annotations
 
@@ -84,3 +87,28 @@ def check_runs(model, path, bf16: bool = False):
         raise GraphmpError(f"{path}: ONNX Runtime here ({', '.join(providers)}) cannot run the BF16 step graph "
                            f"({what}); use --precision mixed (FP16 with loss scaling) or fp32 on this machine, "
                            "bf16 with the CUDA provider on an Ampere or newer GPU.") from None
+
+
+def prove_runs(step, infer, path, batch: dict, state: dict, weights: list, bf16: bool = False):
+    """One step of the step graph and one run of the inference graph on `batch` (a generated
+    batch with its labels: calibration_batch) and the initial `state`; an ONNX Runtime error
+    is a one-line GraphmpError naming the graph and the node, and saying it is graphmp's
+    graph (the user's data had no part in it)."""
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider")
+                 if p in ort.get_available_providers() and (bf16 or p == "CPUExecutionProvider")]
+    for what, model, extra in (("training step", step, state), ("inference (eval/export)", infer,
+                                                                {w: state[w] for w in weights if w in state})):
+        names = {i.name for i in model.graph.input}
+        feeds = {k: v for k, v in {**batch, **extra}.items() if k in names}
+        try:
+            sess = ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+            sess.run(None, feeds)
+        except Exception as e:  # noqa: BLE001  (ORT raises several types)
+            node = re.search(r"node(?: with)? name[: ]+'?([^'\s]+)'?", str(e))
+            where = f" at node '{node.group(1)}'" if node else ""
+            raise GraphmpError(f"{path}: the {what} graph graphmp built does not run in ONNX Runtime{where} on a "
+                               f"generated batch of the build's shapes ({first_line(e, 200)}); this is graphmp's "
+                               "graph, not your data: please report it with the model.") from None

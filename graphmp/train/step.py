@@ -74,7 +74,7 @@ from .builder import (Builder, all_names, ancestors, dims, elem_name, lift_to_in
 from .config import PRECISIONS, StepConfig
 from .losses import LOSS, LOSSES
 from .optim import ACCUM, ACCUM_COUNT
-from .ort_checks import calibration_batch, check_runs
+from .ort_checks import calibration_batch, check_runs, prove_runs
 from .runfiles import check_run_dir, write_run
 from .source import NON_TRAINABLE
 
@@ -154,6 +154,7 @@ class _Forward:
     weights: list = field(default_factory=list)     # trainable masters (graph inputs)
     bn_stats: list = field(default_factory=list)    # BN running statistics (graph inputs)
     convert_report: dict | None = None              # graphmp.convert's report (mixed, bf16)
+    generated: dict | None = None                   # the generated batch (calibration_batch), made once
 
 
 @dataclass
@@ -305,8 +306,8 @@ def _convert_precision(s: _Source, f: _Forward, cfg: dict, config: StepConfig) -
     from .measure import declared_dims, redeclare
     cal = config.calibration
     if cal is None:
-        cal = [calibration_batch(s.model, s.base, config.shapes, s.path, cfg, f.label_dims, f.label_elem,
-                                 {w: s.values[w] for w in f.weights + f.bn_stats})]
+        f.generated = calibration_batch(s.model, s.base, config.shapes, s.path, cfg, f.label_dims, f.label_elem, {})
+        cal = [{**f.generated, **{w: s.values[w] for w in f.weights + f.bn_stats}}]
     carried = declared_dims(f.model) if f.measured["tensors"] else {}
     rep = convert(f.model, calibration=cal, keep_io_types=True,
                   **({"target": "bf16"} if cfg["precision"] == "bf16" else {}))
@@ -454,10 +455,26 @@ def _finish(s: _Source, f: _Forward, st: _State, cfg: dict, config: StepConfig, 
     check_runs(f.model, s.path, bf16=cfg["precision"] == "bf16")
     infer = copy.deepcopy(s.model)
     lift_to_inputs(infer, f.weights + f.bn_stats)
+    _prove(s, f, st, cfg, config, infer)
     warnings, src_check = _source_check_warnings(s)
     meta = _meta(s, f, st, cfg, config.expose_grads, warnings)
     write_run(out_dir, f.model, infer, st.init, meta, full=src_check is None)
     return meta
+
+
+def _prove(s: _Source, f: _Forward, st: _State, cfg: dict, config: StepConfig, infer) -> None:
+    """Needs the finished step and inference graphs. Runs one step and one inference on a
+    generated batch of the build's shapes (ort_checks.prove_runs). Where the source itself
+    cannot run on generated inputs (its inputs need real values), the step is left to the
+    first batch, as before."""
+    if f.generated is None:
+        try:
+            f.generated = calibration_batch(s.model, s.base, config.shapes, s.path, cfg, f.label_dims,
+                                            f.label_elem, {})
+        except GraphmpError:
+            return
+    prove_runs(f.model, infer, s.path, f.generated, st.init, f.weights + f.bn_stats,
+               bf16=cfg["precision"] == "bf16")
 
 
 def _resolve_config(config: StepConfig | None, options: dict, path: str) -> StepConfig:

@@ -1,0 +1,62 @@
+"""train-graph proves the graph it writes (issue 23): one step and one inference on a
+generated batch of the build's shapes run in ONNX Runtime before the run folder is
+written, so a step graph that loads but cannot step fails the build with one line that
+names the node and says the graph is graphmp's."""
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from fixtures import tiny
+from graphmp.errors import GraphmpError
+from graphmp.train import build_step
+from graphmp.train import step as step_mod
+
+
+@pytest.fixture
+def mlp_path(tmp_path):
+    p = tmp_path / "mlp.onnx"
+    onnx.save(tiny.mlp(), p)
+    return str(p)
+
+
+def _break_the_step(monkeypatch):
+    """A rewrite that emits a node ONNX Runtime loads but cannot run: a Reshape of the loss
+    to 7 elements, exposed as an extra output of the step graph."""
+    original = step_mod._set_outputs
+
+    def broken(f, st, expose_grads):
+        original(f, st, expose_grads)
+        g = f.model.graph
+        g.initializer.append(numpy_helper.from_array(np.array([7], np.int64), "bad_shape"))
+        g.node.append(helper.make_node("Reshape", [f.loss_t, "bad_shape"], ["bad"], name="graphmp_bad_reshape"))
+        g.output.append(helper.make_tensor_value_info("bad", TensorProto.FLOAT, None))
+    monkeypatch.setattr(step_mod, "_set_outputs", broken)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_a_step_graph_that_loads_but_cannot_step_fails_the_build(mlp_path, tmp_path, monkeypatch, precision):
+    _break_the_step(monkeypatch)
+    run = tmp_path / "run"
+    with pytest.raises(GraphmpError) as e:
+        build_step(mlp_path, str(run), precision=precision, loss="cross-entropy")
+    msg = str(e.value)
+    assert "training step graph graphmp built does not run" in msg and "graphmp_bad_reshape" in msg, msg
+    assert "not your data" in msg and "\n" not in msg
+    assert not (run / "train.json").exists() and not (run / "step.onnx").exists()
+
+
+def test_a_sound_build_is_proven_and_written(mlp_path, tmp_path):
+    meta = build_step(mlp_path, str(tmp_path / "run"), precision="mixed", loss="cross-entropy")
+    assert os.path.exists(tmp_path / "run" / "train.json") and meta["config"]["precision"] == "mixed"
+
+
+def test_the_cli_says_it_in_one_line(mlp_path, tmp_path, monkeypatch, capsys):
+    from graphmp.cli import main
+    _break_the_step(monkeypatch)
+    rc = main(["train-graph", mlp_path, "-o", str(tmp_path / "run"), "--loss", "cross-entropy"])
+    err = capsys.readouterr().err
+    assert rc == 2, rc
+    assert "graphmp_bad_reshape" in err and "Traceback" not in err
