@@ -60,3 +60,46 @@ def test_the_cli_says_it_in_one_line(mlp_path, tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert rc == 2, rc
     assert "graphmp_bad_reshape" in err and "Traceback" not in err
+
+
+def _save(tmp_path, nodes, inputs, outputs, inits, name):
+    g = helper.make_graph(nodes, name, inputs, outputs, inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    p = tmp_path / f"{name}.onnx"
+    onnx.save(m, p)
+    return str(p)
+
+
+def test_a_non_float_first_output_names_the_fix(tmp_path):
+    """An encoder whose first output passes its INT64 ids through: the refusal names
+    --model-output and the FP32 outputs it could take."""
+    w = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
+    p = _save(tmp_path, [helper.make_node("Identity", ["ids"], ["ids_out"]),
+                         helper.make_node("MatMul", ["x", "w"], ["emb"])],
+              [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n", 5]),
+               helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+              [helper.make_tensor_value_info("ids_out", TensorProto.INT64, ["n", 5]),
+               helper.make_tensor_value_info("emb", TensorProto.FLOAT, ["n", 3])], [w], "enc")
+    with pytest.raises(GraphmpError) as e:
+        build_step(p, str(tmp_path / "run"), loss="mse")
+    assert "output 'ids_out' is INT64, not FP32" in str(e.value) and "--model-output (emb)" in str(e.value)
+    build_step(p, str(tmp_path / "run2"), loss="mse", output="emb")   # the fix it names works
+
+
+def test_a_symbolic_class_axis_is_a_warning_that_says_how_to_choose(tmp_path, capsys):
+    """cross-entropy on a [1, seq, 2] tagger output: axis 1 is taken, and the build says so."""
+    from graphmp.cli import main
+    w = numpy_helper.from_array(np.ones((4, 2), np.float32) * 0.1, "w")
+    p = _save(tmp_path, [helper.make_node("MatMul", ["x", "w"], ["logits"])],
+              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "seq", 4])],
+              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "seq", 2])], [w], "tagger")
+    meta = build_step(p, str(tmp_path / "run"), loss="cross-entropy", shapes="x:1x6x4")
+    assert any("takes axis 1" in w and "--class-axis -1" in w for w in meta["warnings"]), meta["warnings"]
+    capsys.readouterr()
+    assert main(["train-graph", p, "-o", str(tmp_path / "run2"), "--loss", "cross-entropy", "--shapes", "x:1x6x4"]) == 0
+    said = capsys.readouterr()
+    assert "takes axis 1" in said.out + said.err
+    assert main(["train-graph", p, "-o", str(tmp_path / "run3"), "--loss", "cross-entropy", "--class-axis", "-1",
+                 "--shapes", "x:1x6x4"]) == 0
+    said = capsys.readouterr()
+    assert "class axis" not in said.out + said.err

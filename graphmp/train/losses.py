@@ -82,14 +82,31 @@ def class_axis(cfg: dict, rank: int | None, path: str) -> int:
         if a == 1:
             return 1
         raise GraphmpError(f"{path}: the rank of output '{cfg['output']}' is unknown, so class_axis {a} cannot "
-                           "be placed; give the model output a known shape or use class_axis 1.")
+                           "be placed; give the model output a known shape (--shapes) or use --class-axis 1.")
     if not -rank <= a < rank:
-        raise GraphmpError(f"{path}: class_axis {a} is out of range for output '{cfg['output']}' of rank {rank}.")
+        raise GraphmpError(f"{path}: class_axis {a} is out of range for output '{cfg['output']}' of rank {rank}; "
+                           f"--class-axis takes 1..{rank - 1} or -1..-{rank - 1}.")
     a %= rank
     if a == 0:
         raise GraphmpError(f"{path}: class_axis {cfg['class_axis']} is the batch axis of output "
-                           f"'{cfg['output']}' (rank {rank}); the classes need their own axis (e.g. 1 or -1).")
+                           f"'{cfg['output']}' (rank {rank}); the classes need their own axis (--class-axis 1 or -1).")
     return a
+
+
+def class_axis_warning(cfg: dict, out_dims, path: str) -> str | None:
+    """A warning when cross-entropy's class axis is a guess: the axis is symbolic (its size
+    is not known, so nothing says it holds the classes) or, on an output of rank 3 or more,
+    not the last axis while the last is fixed (a [batch, seq, classes] tagger's layout)."""
+    if cfg["loss"] != "cross-entropy" or not out_dims:
+        return None
+    a = class_axis(cfg, len(out_dims), path)
+    symbolic = not isinstance(out_dims[a], int)
+    tagger = len(out_dims) >= 3 and a != len(out_dims) - 1 and isinstance(out_dims[-1], int)
+    if not (symbolic or tagger):
+        return None
+    why = f"its size '{out_dims[a]}' is symbolic" if symbolic else f"the last axis ({out_dims[-1]}) is fixed"
+    return (f"{path}: cross-entropy takes axis {a} of output '{cfg['output']}' {list(out_dims)} as the class axis, "
+            f"but {why}; --class-axis -1 takes the last axis, --class-axis N any other")
 
 
 def label_spec(cfg: dict, out_dims, path: str):

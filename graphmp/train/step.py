@@ -155,6 +155,7 @@ class _Forward:
     bn_stats: list = field(default_factory=list)    # BN running statistics (graph inputs)
     convert_report: dict | None = None              # graphmp.convert's report (mixed, bf16)
     generated: dict | None = None                   # the generated batch (calibration_batch), made once
+    warnings: list = field(default_factory=list)    # train.json warnings about the loss's choices
 
 
 @dataclass
@@ -242,7 +243,12 @@ def _output_dims(s: _Source, fwd, cfg: dict) -> list | None:
     if dims(out_vi) is None:  # the output is one of the measured tensors
         out_vi = value_info(fwd, out_name) or out_vi
     if out_vi is not None and out_vi.type.tensor_type.elem_type != TensorProto.FLOAT:
-        raise GraphmpError(f"{path}: output '{out_name}' is not FP32; train from the FP32 model.")
+        floats = [o.name for o in s.model.graph.output if o.type.tensor_type.elem_type == TensorProto.FLOAT]
+        fix = (f"name an FP32 output with --model-output ({', '.join(floats[:4])})" if floats else
+               "name an FP32 tensor inside the model with --model-output, or train from the FP32 model")
+        kind = TensorProto.DataType.Name(out_vi.type.tensor_type.elem_type)
+        raise GraphmpError(f"{path}: output '{out_name}' is {kind}, not FP32, so no loss can train through it; "
+                           f"{fix}.")
     soft = producer(s.raw, out_name, through_identity=True) or producer(s.model, out_name, through_identity=True)
     if cfg["loss"] == "cross-entropy" and soft is not None and soft.op_type in ("Softmax", "LogSoftmax"):
         raise GraphmpError(f"{path}: output '{out_name}' comes from a {soft.op_type}; cross-entropy needs the "
@@ -266,7 +272,8 @@ def _forward_and_loss(s: _Source, cfg: dict, config: StepConfig) -> _Forward:
     except GraphmpError as e:
         raise with_measure_note(e, measured, s.path) from None
     loss_t = losses.add_loss(fwd, Builder(fwd), cfg, out_dims, label_dims, label_elem)
-    return _Forward(fwd, measured, label_dims, label_elem, running, loss_t)
+    note = losses.class_axis_warning(cfg, out_dims, s.path)
+    return _Forward(fwd, measured, label_dims, label_elem, running, loss_t, warnings=[note] if note else [])
 
 
 def _select_weights(s: _Source, f: _Forward, trainable: str | None) -> None:
@@ -457,7 +464,7 @@ def _finish(s: _Source, f: _Forward, st: _State, cfg: dict, config: StepConfig, 
     lift_to_inputs(infer, f.weights + f.bn_stats)
     _prove(s, f, st, cfg, config, infer)
     warnings, src_check = _source_check_warnings(s)
-    meta = _meta(s, f, st, cfg, config.expose_grads, warnings)
+    meta = _meta(s, f, st, cfg, config.expose_grads, f.warnings + warnings)
     write_run(out_dir, f.model, infer, st.init, meta, full=src_check is None)
     return meta
 

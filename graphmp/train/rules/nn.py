@@ -79,7 +79,7 @@ def _weight_shape(em, node, w):
     shape = em.static_shape(w)
     if shape is None:
         raise GraphmpError(f"node '{node.name}' ({node.op_type}): the weight '{w}' needs a static shape "
-                           "to differentiate")
+                           "to differentiate; pin the model's input sizes with --shapes")
     return shape
 
 
@@ -186,7 +186,8 @@ def average_pool(em, node, g):
     if attr(node, "ceil_mode", 0):
         raise GraphmpError(f"node '{node.name}' (AveragePool): ceil_mode=1 is not differentiated")
     if not dims or not isinstance(dims[1], int):
-        raise GraphmpError(f"node '{node.name}' (AveragePool): the channel count of '{x}' must be static")
+        raise GraphmpError(f"node '{node.name}' (AveragePool): the channel count of '{x}' must be static; pin the "
+                           "model's input sizes with --shapes")
     dt, c = em.dtype(x), dims[1]
     if attr(node, "count_include_pad", 0) or not any(pads):
         gdiv = em.op("Div", [g[0], em.like(float(np.prod(kernel)), x)])

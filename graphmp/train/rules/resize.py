@@ -125,7 +125,8 @@ def _plan(em: Emitter, node) -> dict[int, np.ndarray]:
         raise GraphmpError(f"{where}: keep_aspect_ratio_policy other than 'stretch' is not differentiated")
     dims = em.dims(x)
     if dims is None:
-        raise GraphmpError(f"{where}: the rank of '{x}' is unknown; declare the model's input shapes")
+        raise GraphmpError(f"{where}: the rank of '{x}' is unknown; pin the model's input sizes with --shapes "
+                           "(e.g. x:1x3x256x256)")
     rank = len(dims)
     axes = [a % rank for a in attr(node, "axes", list(range(rank)))]
     sv = em.const_value(sizes) if sizes else None
@@ -145,8 +146,8 @@ def _plan(em: Emitter, node) -> dict[int, np.ndarray]:
         factors = [None] * len(axes)
     else:
         raise GraphmpError(f"{where}: its scales/sizes are computed at run time and the output shape is "
-                           "not static; the gradient needs them as constants (export with a fixed output "
-                           "size or scale factor)")
+                           "not static; pin the model's input sizes with --shapes (e.g. x:1x3x256x256), which "
+                           "makes them known, or export with a fixed output size or scale factor")
     plan = {}
     for ax, out, factor in zip(axes, outs, factors):
         n = dims[ax]
