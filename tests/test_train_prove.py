@@ -103,3 +103,32 @@ def test_a_symbolic_class_axis_is_a_warning_that_says_how_to_choose(tmp_path, ca
                  "--shapes", "x:1x6x4"]) == 0
     said = capsys.readouterr()
     assert "class axis" not in said.out + said.err
+
+
+def _weight_only_int8(tmp_path):
+    """x -> MatMul(x, DequantizeLinear(w_int8, scale)) -> Add(bias) -> y."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.integers(-100, 100, (4, 3)).astype(np.int8), "w_q"),
+             numpy_helper.from_array(np.array(0.01, np.float32), "w_scale"),
+             numpy_helper.from_array(np.zeros(3, np.float32), "bias")]
+    return _save(tmp_path, [helper.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w"], name="dq"),
+                            helper.make_node("MatMul", ["x", "w"], ["h"]),
+                            helper.make_node("Add", ["h", "bias"], ["y"])],
+                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])], inits, "int8_wo")
+
+
+def test_weight_only_int8_is_refused_not_frozen_silently(tmp_path):
+    p = _weight_only_int8(tmp_path)
+    with pytest.raises(GraphmpError) as e:
+        build_step(p, str(tmp_path / "run"), loss="mse")
+    msg = str(e.value)
+    assert "1 weight(s) are stored as integers behind DequantizeLinear (e.g. 'w_q' -> 'dq')" in msg
+    assert "--trainable REGEX" in msg and "\n" not in msg
+    assert not (tmp_path / "run" / "train.json").exists()
+
+
+def test_weight_only_int8_with_trainable_says_what_stays_frozen(tmp_path):
+    meta = build_step(_weight_only_int8(tmp_path), str(tmp_path / "run"), loss="mse", trainable=".")
+    assert meta["weights"] == ["bias"], meta["weights"]          # the scale is the quantizer's, not a weight
+    assert any("they stay frozen" in w for w in meta["warnings"]), meta["warnings"]

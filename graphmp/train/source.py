@@ -18,13 +18,28 @@ NON_TRAINABLE = {"Resize": (1, 2), "Upsample": (1,), "Clip": (1, 2), "Range": (0
                  "ReduceMean": (1,), "ReduceMax": (1,), "ReduceMin": (1,), "ReduceProd": (1,),
                  "ReduceSumSquare": (1,), "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSum": (1,),
                  "ReduceLogSumExp": (1,), "Split": (1,), "TopK": (1,), "OneHot": (1, 2), "CumSum": (1,),
-                 "Gather": (1,), "GatherElements": (1,), "GatherND": (1,), "Trilu": (1,), "RoiAlign": (1, 2)}
+                 "Gather": (1,), "GatherElements": (1,), "GatherND": (1,), "Trilu": (1,), "RoiAlign": (1, 2),
+                 # a quantizer's scale and zero point are its calibration, not weights
+                 "DequantizeLinear": (1, 2), "QuantizeLinear": (1, 2)}
 
 # the export settings that keep a torch module's parameters as they are in the module
 TORCH_TRAINING_EXPORT = ("torch.onnx.export(..., dynamo=False, do_constant_folding=False, "
                          "training=torch.onnx.TrainingMode.TRAINING)")
 NORM_OPS = {"BatchNormalization", "InstanceNormalization", "LayerNormalization", "GroupNormalization",
             "LpNormalization", "MeanVarianceNormalization", "LRN", "RMSNormalization"}
+
+
+LOW_BIT_WEIGHTS = {TensorProto.INT8, TensorProto.UINT8, TensorProto.INT4, TensorProto.UINT4, TensorProto.INT16,
+                   TensorProto.UINT16}
+
+
+def quantized_weights(model, deps: set) -> list:
+    """(initializer, DequantizeLinear node) of the integer weights the loss depends on:
+    weight-only quantized matrices, which no gradient can update."""
+    inits = {t.name: t.data_type for t in model.graph.initializer}
+    return [(n.input[0], n.name) for n in model.graph.node
+            if n.op_type == "DequantizeLinear" and n.input and inits.get(n.input[0]) in LOW_BIT_WEIGHTS
+            and n.output[0] in deps]
 
 
 def non_trainable_slots(model) -> set:

@@ -285,6 +285,7 @@ def _select_weights(s: _Source, f: _Forward, trainable: str | None) -> None:
     deps = ancestors(fwd.graph, f.loss_t)
     rx = re.compile(trainable) if trainable else None
     fixed = source.non_trainable_slots(fwd) | s.legacy_consts
+    _refuse_frozen_int8(s, f, deps, trainable)
     f.weights = [t.name for t in s.model.graph.initializer
                  if t.data_type == TensorProto.FLOAT and t.name in deps and t.name not in f.running
                  and t.name not in fixed and (rx.search(t.name) if rx else values[t.name].ndim >= 1)]
@@ -300,6 +301,22 @@ def _select_weights(s: _Source, f: _Forward, trainable: str | None) -> None:
         fwd.graph.output.append(helper.make_tensor_value_info(f.running[r], TensorProto.FLOAT,
                                                               list(values[r].shape)))
     prune(fwd)
+
+
+def _refuse_frozen_int8(s: _Source, f: _Forward, deps: set, trainable: str | None) -> None:
+    """Weight-only INT8 (or other integer) matrices behind DequantizeLinear cannot be trained.
+    Without --trainable that is a refusal: training only the float tensors around them
+    (biases, norms) is not what a user asking to train the model expects. With --trainable
+    it is a warning that they stay frozen."""
+    q = source.quantized_weights(f.model, deps)
+    if not q:
+        return
+    what = f"{len(q)} weight(s) are stored as integers behind DequantizeLinear (e.g. '{q[0][0]}' -> '{q[0][1]}')"
+    if trainable is None:
+        raise GraphmpError(f"{s.path}: {what} and cannot be trained; train the FP32 model it was quantized from "
+                           "(and quantize again), or pass --trainable REGEX to train only the float tensors it "
+                           "names, the integer weights frozen.")
+    f.warnings.append(f"{s.path}: {what}; they stay frozen (only the float tensors --trainable names train)")
 
 
 def _convert_precision(s: _Source, f: _Forward, cfg: dict, config: StepConfig) -> None:
