@@ -132,3 +132,40 @@ def test_weight_only_int8_with_trainable_says_what_stays_frozen(tmp_path):
     meta = build_step(_weight_only_int8(tmp_path), str(tmp_path / "run"), loss="mse", trainable=".")
     assert meta["weights"] == ["bias"], meta["weights"]          # the scale is the quantizer's, not a weight
     assert any("they stay frozen" in w for w in meta["warnings"]), meta["warnings"]
+
+
+def _streaming(tmp_path):
+    """A fully static streaming model: cache [2, 1, 4, 4] and frame mix [1, 5, 2], no batch axis
+    anywhere (first axes 2 and 1 differ); y [1, 5, 2] = MatMul(mix, W) + mean(cache)."""
+    w = numpy_helper.from_array(np.eye(2, dtype=np.float32), "W")
+    return _save(tmp_path, [helper.make_node("MatMul", ["mix", "W"], ["h"]),
+                            helper.make_node("ReduceMean", ["cache"], ["m"], keepdims=0),
+                            helper.make_node("Add", ["h", "m"], ["y"])],
+                 [helper.make_tensor_value_info("cache", TensorProto.FLOAT, [2, 1, 4, 4]),
+                  helper.make_tensor_value_info("mix", TensorProto.FLOAT, [1, 5, 2])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 5, 2])], [w], "stream")
+
+
+def test_a_fully_static_streaming_model_takes_whole_inputs_stacked_per_sample(tmp_path):
+    from graphmp.cli import main
+    p = _streaming(tmp_path)
+    run = tmp_path / "run"
+    assert main(["train-graph", p, "-o", str(run), "--loss", "mse", "-q"]) == 0
+    r = np.random.default_rng(0)
+    n = 6
+    data = tmp_path / "d.npz"
+    mix = r.standard_normal((n, 1, 5, 2)).astype(np.float32)
+    np.savez(data, cache=np.zeros((n, 2, 1, 4, 4), np.float32), mix=mix, labels=mix @ np.array([[0, 1], [1, 0]],
+                                                                                                  np.float32))
+    assert main(["train", str(run), "--data", str(data), "--batch-size", "1", "--max-steps", "5", "-q"]) == 0
+    with pytest.raises(GraphmpError, match="data stacks whole inputs, one per sample.*use batch size 1"):
+        from graphmp.train import train
+        train(str(run), str(data), batch_size=4, max_steps=1, progress=False)
+    # a layout that fits neither reading: the error shows both accepted layouts
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, cache=np.zeros((n, 2, 1, 4), np.float32), mix=mix, labels=mix)
+    with pytest.raises(GraphmpError) as e:
+        from graphmp.train.data import make_source
+        import json
+        make_source(str(bad), json.loads((run / "train.json").read_text()))
+    assert "accepted: [samples, 1, 4, 4]" in str(e.value) and "[samples, 2, 1, 4, 4] for every input" in str(e.value)

@@ -164,13 +164,23 @@ def _expected(meta) -> dict:
     return exp
 
 
-def whole_arrays(meta) -> dict:
+STATIC_WHOLE = "the model's inputs all have a fixed first axis, and the data stacks whole inputs, one per sample"
+
+
+def _fits(dims, shape) -> bool:
+    return len(shape) == len(dims) and all(not isinstance(d, int) or d == s for d, s in zip(dims, shape))
+
+
+def whole_arrays(meta, arrays: dict | None = None) -> dict:
     """{model input name: why}: inputs with no batch axis, which the model takes whole.
 
     Those are scalars and -- when some input has a free first axis (the batch axis) --
     inputs whose first axis is fixed (an RNN's initial state [layers, batch, hidden]). When
-    every input's first axis is fixed, it is the (fixed) batch axis of all of them, as for a
-    batch-1 export. (Labels are whole when the data says so: see _label_form.)"""
+    every input's first axis is fixed, the data's rank decides (`arrays`, when given): an
+    array with one axis more than the input, the rest of its shape the input's, stacks
+    whole inputs one per sample (a streaming model's caches [2, 1, 16, 16, 33] beside its
+    frame [1, 257, 1, 2]); else the first axis is the (fixed) batch axis, as for a batch-1
+    export. (Labels are whole when the data says so: see _label_form.)"""
     inputs = meta["inputs"]
     free = next((n for n, d in inputs.items() if d and not isinstance(d[0], int)), None)
     out = {}
@@ -179,6 +189,9 @@ def whole_arrays(meta) -> dict:
             out[name] = "a scalar"
         elif free and dims and isinstance(dims[0], int):
             out[name] = f"its first axis is fixed at {dims[0]}, while '{free}' has a free batch axis"
+        elif not free and dims and arrays is not None and name in arrays \
+                and np.ndim(arrays[name]) == len(dims) + 1 and _fits(dims, np.shape(arrays[name])[1:]):
+            out[name] = STATIC_WHOLE
     return out
 
 
@@ -194,22 +207,26 @@ def _label_form(a, dims) -> str | None:
 
 
 def _check_shape(name, a, dims, where, batched):
+    layouts = "" if batched or not dims or not isinstance(dims[0], int) else (
+        f"; accepted: [samples, {', '.join(map(str, dims[1:]))}] (axis 0 is the model's batch of {dims[0]}), or "
+        f"[samples, {', '.join(map(str, dims))}] for every input (one whole input per sample, batch size 1)")
     if dims is not None and a.ndim != len(dims):
         raise GraphmpError(f"{where}: '{name}' has shape {a.shape}, the model wants {len(dims)} axes {dims} "
-                           f"(first axis = {'batch' if batched else 'samples'}).")
+                           f"(first axis = {'batch' if batched else 'samples'}){layouts}.")
     for i, d in enumerate(dims or []):
         if i > 0 and isinstance(d, int) and a.shape[i] != d:
-            raise GraphmpError(f"{where}: '{name}' has shape {a.shape}; axis {i} must be {d} (model wants {dims}).")
+            raise GraphmpError(f"{where}: '{name}' has shape {a.shape}; axis {i} must be {d} (model wants {dims})"
+                               f"{layouts}.")
 
 
 def _whole_form(name, a, dims, why, where, batched) -> str:
     """'const' (the array is the model's input, fed with every batch) or 'stacked' (one per
     sample on a new first axis; not in a batch dict); else a one-line error saying both."""
-    def fits(shape):
-        return len(shape) == len(dims) and all(not isinstance(d, int) or d == s for d, s in zip(dims, shape))
-    if fits(a.shape):
+    if why == STATIC_WHOLE:
+        return "stacked"
+    if _fits(dims, a.shape):
         return "const"
-    if not batched and a.ndim == len(dims) + 1 and fits(a.shape[1:]):
+    if not batched and a.ndim == len(dims) + 1 and _fits(dims, a.shape[1:]):
         return "stacked"
     stacked = "" if batched else f", or one per sample stacked as [samples, {', '.join(map(str, dims))}] (then " \
                                  f"each step takes one sample: batch size 1)"
@@ -232,7 +249,7 @@ def _conform(arrays: dict, meta: dict, where: str, batched: bool) -> tuple[dict,
         raise GraphmpError(f"{where}: missing array(s) {missing}{what}. Expected one array per model input plus "
                            f"the labels: {list(exp)}; found {sorted(arrays)}"
                            + (f" (unused: {extra})" if extra else "") + ".")
-    whole = whole_arrays(meta)
+    whole = whole_arrays(meta, None if batched else arrays)
     out, forms, n = {}, {}, None
     for name, (dims, dt) in exp.items():
         a = np.asarray(arrays[name])

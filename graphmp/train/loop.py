@@ -242,18 +242,20 @@ def _check_batch_size(run_dir, meta, src, batch_size: int) -> None:
         return
     if src.one_per_step and batch_size != 1:
         name = src.stacked[0]
-        why = whole_arrays(meta).get(name, f"labels of shape {meta['label']['shape']}, one more axis in the data")
+        why = whole_arrays(meta, src.arrays).get(name, f"labels of shape {meta['label']['shape']}, one more axis in "
+                                                       "the data")
         raise GraphmpError(f"{src.where}: '{name}' is given once per sample, and the model takes it whole with no "
                            f"batch axis ({why}), so each step is one sample: use batch size 1.")
-    fixed = _fixed_batch(meta)
+    fixed = _fixed_batch(meta, given_whole=src.stacked)
     if fixed is not None and fixed != batch_size:
         raise GraphmpError(f"{run_dir}: the model's batch axis is fixed at {fixed}; use batch_size {fixed} "
                            "or re-export the model with a dynamic batch axis.")
 
 
-def _fixed_batch(meta) -> int | None:
-    """The model's batch size when its batch axis is fixed (inputs given whole aside)."""
-    whole = whole_arrays(meta)
+def _fixed_batch(meta, given_whole=()) -> int | None:
+    """The model's batch size when its batch axis is fixed (inputs given whole aside: by the
+    model's dims, or by the data, `given_whole`)."""
+    whole = set(whole_arrays(meta)) | set(given_whole)
     fixed = [d[0] for k, d in meta["inputs"].items() if d and isinstance(d[0], int) and k not in whole]
     return fixed[0] if fixed else None
 
