@@ -7,6 +7,11 @@ Writes to stderr, redraws in place on a terminal and prints a line per update
         for batch in batches:
             ...
             p.update(1, loss=f"{loss:.4f}", scale=int(scale))
+
+Work inside one step (a benchmark row's warm-up and timed runs) reports with `status`,
+at most every `status_interval` seconds:
+
+    p.status(lambda: f"  fp16 batch 8: run {i}/50, {t:.1f} s")
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import time
 
 class Progress:
     def __init__(self, total: int | None = None, desc: str = "", stream=None, enabled: bool = True,
-                 min_interval: float = 0.1, log_interval: float = 10.0):
+                 min_interval: float = 0.1, log_interval: float = 10.0, status_interval: float = 2.0):
         self.total, self.desc, self.n = total, desc, 0
         self.stream = stream or sys.stderr
         self.enabled = enabled
@@ -24,6 +29,8 @@ class Progress:
         self.min_interval = min_interval if self.tty else log_interval
         self.t0 = time.perf_counter()
         self._last = 0.0
+        self.status_interval = status_interval
+        self._status_last = self.t0  # the first status line comes status_interval after the start
         self._drawn = None          # (n, fields) of the last line drawn
         self.fields: dict = {}
 
@@ -53,6 +60,24 @@ class Progress:
         if self.enabled and (now - self._last >= self.min_interval or (self.total and self.n >= self.total)):
             self._last = now
             self._draw()
+
+    def status(self, text):
+        """Say how the current step is going (`text`: a line, or a function returning it, called
+        only when the line is drawn), at most every `status_interval` seconds. On a terminal it
+        is drawn over the bar's line (the bar's next update draws over it again); to a file or
+        pipe it is a line of its own. Nothing when disabled."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if now - self._status_last < self.status_interval:
+            return
+        self._status_last = now
+        line = text() if callable(text) else text
+        if self.tty:
+            self.stream.write("\r" + line + "\x1b[K")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
 
     def _draw(self, end: str = ""):
         self._drawn = (self.n, dict(self.fields))

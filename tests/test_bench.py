@@ -3,8 +3,10 @@ sessions on committed models, the documented JSON schema, the plot, accuracy col
 catch a broken conversion, batching, and the TensorRT / ORT CUDA paths where they cannot run.
 Each piece of graphmp/bench/ alone: the row plan, the runners (provider read back, host-sync
 timing), the judge (normalised error, TF32 yardstick), the FP32 baseline's cleanups."""
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,7 +18,7 @@ from onnx import numpy_helper
 import time
 
 import graphmp
-from graphmp.bench import PRECISIONS, bench, latency_stats, timed_loop
+from graphmp.bench import PRECISIONS, BenchInterrupted, bench, latency_stats, timed_loop
 from graphmp.bench import judge as bjudge
 from graphmp.bench import plan as bplan
 from graphmp.bench import run as brun
@@ -25,6 +27,7 @@ from graphmp.cli import main
 from graphmp.errors import GraphmpError
 from graphmp.oracle import cuda_available
 from graphmp.inputs import parse_shapes
+from graphmp.progress import Progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESNET = os.path.join(ROOT, "models", "tiny", "resnet.onnx")      # logits [batch, 10], symbolic batch
@@ -99,6 +102,7 @@ def _check_schema(d):
     for o in d["oracle"]:
         assert o["status"] in ("ok", "skipped", "failed") and o["precision"] in ("fp16", "occ")
     assert all(isinstance(n, str) for n in d["notes"])
+    assert d["partial"] in (True, False) and (d["interrupted"] is None) == (not d["partial"])
     json.dumps(d, allow_nan=False)  # strict JSON: no NaN/Infinity
 
 
@@ -550,8 +554,10 @@ def test_timed_loop_meets_both_count_and_time():
         calls.append(1)
         return 0.125  # each step reports its own duration (exact in binary)
 
-    times = timed_loop(step, warmup=2, iterations=3, min_time=1.0)
+    ticks = []
+    times = timed_loop(step, warmup=2, iterations=3, min_time=1.0, tick=lambda n, t: ticks.append((n, t)))
     assert len(times) == 8 and len(calls) == 10  # 1 s needs 8 steps of 0.125 s; warm-up untimed
+    assert ticks == [(n, 0.125 * n) for n in range(1, 9)]  # after each timed step: steps and seconds so far
     assert len(timed_loop(step, warmup=0, iterations=5, min_time=0.0)) == 5
     s = latency_stats([0.001, 0.002, 0.003, 0.004, 0.100])
     assert s["median"] == pytest.approx(3.0) and s["min"] == pytest.approx(1.0) and s["max"] == pytest.approx(100.0)
@@ -565,6 +571,92 @@ def test_rows_are_timed_in_interleaved_rounds():
     assert [r["iterations"] for r in d["rows"]] == [6, 6] and d["settings"]["rounds"] == 3
     with pytest.raises(GraphmpError, match="rounds >= 1"):
         bench(RESNET, rounds=0)
+
+
+# --- progress inside a row, and Ctrl-C (issue 22) --------------------------------------------------
+
+BENCH_2 = ["bench", RESNET, "--backends", "ort-cpu", "--precisions", "fp32,fp16", "--warmup", "2",
+           "--iterations", "3", "--min-time", "0", "--oracle-max-mb", "0"]
+
+
+def test_progress_inside_a_row_goes_to_stderr_and_not_with_quiet(monkeypatch, capsys):
+    monkeypatch.setattr(brun, "ROW_PROGRESS_S", 0.0)  # every warm-up and timed run may say how far it got
+    assert main(BENCH_2 + ["--batch", "2"]) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    # 3 iterations in 5 rounds: ceil(3/5) = 1 run per round, 5 runs per row
+    for p in ("fp32", "fp16"):
+        assert f"  ort-cpu {p} batch 2: warm-up 2/2, " in err
+        assert any(re.fullmatch(rf"  ort-cpu {p} batch 2: run 5/5, \d+\.\d s timed, round 5/5", ln) for ln in lines)
+    assert "warm-up" not in out and "s timed" not in out and "| ort-cpu | fp16" in out  # stdout: the table only
+    assert main(BENCH_2 + ["--batch", "2", "-q"]) == 0
+    out, err = capsys.readouterr()
+    assert "warm-up" not in err and "s timed" not in err and "| ort-cpu | fp16" in out
+    # the helper: throttled, the line built only when drawn, nothing when disabled
+    buf, built = io.StringIO(), []
+    bar = Progress(total=1, stream=buf, status_interval=3600)
+    bar.status(lambda: built.append(1) or "x")
+    assert buf.getvalue() == "" and built == []
+    bar.status_interval = 0.0
+    bar.status("  now")
+    assert buf.getvalue() == "  now\n"
+    Progress(stream=buf, enabled=False, status_interval=0.0).status("  never")
+    assert "never" not in buf.getvalue()
+
+
+def _interrupt_on_row(monkeypatch, n):
+    """Ctrl-C during the timed runs of the n-th row that is timed (the others time normally)."""
+    seen, real = [], brunners.host_step
+
+    def host_step(runner):
+        if runner not in seen:
+            seen.append(runner)
+        if len(seen) >= n:
+            raise KeyboardInterrupt
+        return real(runner)
+    monkeypatch.setattr(brunners, "host_step", host_step)
+
+
+def test_ctrl_c_keeps_the_finished_rows_in_the_table_and_json_and_exits_130(monkeypatch, tmp_path, capsys):
+    _interrupt_on_row(monkeypatch, 3)  # rows: fp32, fp16 at batch 1 (timed together), then batch 4: fp32 is cut
+    js = tmp_path / "b.json"
+    rc = main(BENCH_2 + ["--batch", "1,4", "--json", str(js)])
+    out, err = capsys.readouterr()
+    assert rc == 130
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err
+    d = json.load(open(js))
+    _check_schema(d)
+    assert d["partial"] is True and [(r["precision"], r["batch"], r["status"]) for r in d["rows"]] == [
+        ("fp32", 1, "ok"), ("fp16", 1, "ok")]
+    assert all(r["latency_ms"]["median"] > 0 and r["iterations"] >= 3 for r in d["rows"])
+    assert "while timing ort-cpu fp32 batch 4 (run 1/5, round 1/5)" in d["interrupted"]
+    assert "2 of 4 planned rows finished" in d["interrupted"]
+    assert os.listdir(tmp_path) == ["b.json"]  # written atomically: no temporary file left
+    table = [[c.strip() for c in ln.split("|")[1:6]] for ln in out.splitlines() if ln.startswith("| ort-cpu")]
+    assert table == [["ort-cpu", "fp32", "default", "CPU", "1"], ["ort-cpu", "fp16", "default", "CPU", "1"]]
+    assert f"PARTIAL: {d['interrupted']}" in out
+    assert f'graphmp: interrupted (Ctrl-C): 2 rows had finished (the table above; {js} with "partial": true)' in err
+
+
+def test_ctrl_c_in_a_warm_up_raises_bench_interrupted_with_the_finished_rows(monkeypatch):
+    runs, real = [], brunners.OrtRunner.run
+
+    def run(self):  # Ctrl-C in the first warm-up run of the third row opened
+        if self not in runs:
+            runs.append(self)
+        if len(runs) == 3:
+            raise KeyboardInterrupt
+        return real(self)
+    monkeypatch.setattr(brunners.OrtRunner, "run", run)
+    with pytest.raises(BenchInterrupted) as e:
+        bench(RESNET, backends="ort-cpu", precisions="fp32,fp16", batches=(1, 4), **FAST)
+    assert isinstance(e.value, KeyboardInterrupt)  # a caller that does not catch it stops as on any Ctrl-C
+    d = e.value.result.to_dict()
+    _check_schema(d)
+    assert d["partial"] and [(r["precision"], r["batch"]) for r in d["rows"]] == [("fp32", 1), ("fp16", 1)]
+    assert "while warming up ort-cpu fp32 batch 4 (run 1/1)" in d["interrupted"]
+    assert all(r["accuracy"] is None and "interrupted" in r["accuracy_note"] for r in d["rows"])
+    assert [o["status"] for o in d["oracle"]] == ["skipped"] and "interrupted" in d["oracle"][0]["reason"]
 
 
 def test_parse_shapes():
@@ -599,6 +691,7 @@ def test_cli_bench_writes_json_and_plot(tmp_path, capsys):
     assert "| ort-cpu | fp16" in out
     assert d["settings"]["max_error"] == 0.05 and d["settings"]["tf32_factor"] == 3.0
     assert "max(0.05, 3 x the TF32 error" in d["accuracy"]["rule"] and d["settings"]["atol"] is None
+    assert d["partial"] is False and d["interrupted"] is None and "PARTIAL" not in out  # a complete run
 
 
 def test_cli_bench_exits_1_when_no_row_finished(tmp_path, capsys):

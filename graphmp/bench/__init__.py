@@ -68,7 +68,10 @@ JSON schema (schema_version 2; `BenchResult.to_dict()`, `graphmp bench --json`):
     accuracy: {reference, rule, max_error, tf32_factor, yardsticks: [{batch, source, errors}]}
     oracle: [{precision, batch, status, reason, oracle, passed, max_abs, max_rel, argmax_agree, nonfinite}]
     notes: [str]
-Non-finite numbers are written as null.
+    partial: false, or true when Ctrl-C stopped the run: `rows` holds only the rows that finished
+    interrupted: null, or which row was cut and how far it got (the table's PARTIAL line)
+Non-finite numbers are written as null. Ctrl-C during the rows raises BenchInterrupted (a
+KeyboardInterrupt) whose `result` holds the finished rows ("partial": true).
 """
 from .env import environment, gpu_names
 from .judge import judge_outputs, output_metrics, rule_text
@@ -76,14 +79,14 @@ from .models import convert_occ, convert_ort_opt, fp32_baseline, guess_model_typ
 from .plan import BACKENDS, LABELS, PRECISIONS, VARIANTS, RowSpec, plan_rows, static_shapes
 from .report import BenchResult
 from .source import source_precision
-from .run import SCHEMA_VERSION, Settings, bench
+from .run import SCHEMA_VERSION, BenchInterrupted, Settings, bench
 from .runners import (TIMING, FellBack, OrtRunner, TrtRunner, device_memory_used, latency_stats,
                       ort_cuda_status, timed_loop, trt_status)
 
 # the names benchmarks/*.py used before the split
 _ort_cuda_status, _trt_status = ort_cuda_status, trt_status
 
-__all__ = ["bench", "BenchResult", "Settings", "SCHEMA_VERSION", "BACKENDS", "PRECISIONS", "VARIANTS", "LABELS",
+__all__ = ["bench", "BenchResult", "BenchInterrupted", "Settings", "SCHEMA_VERSION", "BACKENDS", "PRECISIONS", "VARIANTS", "LABELS",
            "RowSpec", "plan_rows", "static_shapes", "judge_outputs", "output_metrics", "rule_text", "OrtRunner",
            "TrtRunner", "FellBack", "TIMING", "timed_loop", "latency_stats", "device_memory_used", "environment",
            "gpu_names", "convert_occ", "convert_ort_opt", "fp32_baseline", "guess_model_type", "ort_cuda_status",

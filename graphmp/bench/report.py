@@ -92,6 +92,8 @@ class BenchResult:
         env = d["environment"]
         lines = [f"graphmp bench: {d['model']['path']} on {env['device']}",
                  _md(HEAD, [_row_cells(r) for r in d["rows"]])]
+        if d.get("partial"):  # Ctrl-C: the rows above are those that finished
+            lines.append(f"  PARTIAL: {d.get('interrupted') or 'interrupted'}")
         src = d["model"].get("source_precision") or {}
         if src.get("precision") not in (None, "fp32"):
             lines.append(f"  source precision: {src['precision']}")
@@ -183,7 +185,9 @@ class BenchResult:
             ax.set_ylabel("items / s (batch / median latency)")
             ax.set_title(f"{b} (default session options)")
             ax.legend(fontsize=7)
-        fig.suptitle(f"{os.path.basename(self.data['model']['path'])} on {self.data['environment']['device']}\n"
+        partial = " (interrupted: finished rows only)" if self.data.get("partial") else ""
+        fig.suptitle(f"{os.path.basename(self.data['model']['path'])} on {self.data['environment']['device']}"
+                     f"{partial}\n"
                      f"bar labels: speedup vs FP32 strict (latency where there is no FP32 row); timing "
                      f"{self.data['timing']}", fontsize=9)
         fig.tight_layout()

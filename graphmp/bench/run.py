@@ -37,11 +37,24 @@ from .plan import BACKENDS, COMPARE, LABELS, PRECISIONS, SOURCES, groups, plan_r
 from .source import is_fp32, source_precision
 from .report import BenchResult, clean
 from .runners import (TIMING, TIMING_TEXT, FellBack, OrtRunner, TrtRunner, device_memory_used, latency_stats,
-                      ort_cuda_options, ort_cuda_status, time_interleaved, timed_loop, trt_status)
+                      ort_cuda_options, ort_cuda_status, time_interleaved, trt_status)
 
 SCHEMA_VERSION = 2
+ROW_PROGRESS_S = 2.0  # at most this often, a line on stderr about the row being warmed up or timed
 NOTHING = "nothing to convert"  # graphmp.convert's word for a model with no FP32 work
 CUDNN_SEARCH = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
+
+
+class BenchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a bench run, after its rows began: `result` holds the rows that finished
+    (a BenchResult with "partial": true and "interrupted" saying which row was cut). A
+    KeyboardInterrupt, so a caller that does not catch it stops as on any Ctrl-C."""
+
+    def __init__(self, result):
+        super().__init__(result.data.get("interrupted"))
+        self.result = result
+
+
 @dataclass
 class Settings:
     """What one run was asked (validated by `from_kwargs`); written to the JSON's settings."""
@@ -153,7 +166,10 @@ def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=
         run.prepare_models(converted)
         run.prepare_inputs(base_feeds)
         run.run_rows()
-        return BenchResult(clean(run.result(command)))
+        res = BenchResult(clean(run.result(command)))
+    if res.data["partial"]:
+        raise BenchInterrupted(res)
+    return res
 
 
 def _refuse_bf16_inputs(path, graph):
@@ -174,6 +190,9 @@ class _Run:
         self.notes, self.models, self.model_errors, self.model_info = [], {}, {}, {}
         self.rows, self.outputs, self.refs, self.emulated, self.floors = [], {}, {}, {}, {}
         self.conversion = None
+        self.interrupted = None  # why the rows stopped early (Ctrl-C), else None
+        self.bar = Progress(enabled=False)  # run_rows' progress line
+        self.doing = None        # (row, what: "... {row} ..." or a function giving it) now: what a Ctrl-C cuts
         self.labels, self.reference_text = {}, J.REFERENCE  # precision -> (label, model) where not LABELS/SOURCES
 
     def log(self, msg):
@@ -365,32 +384,80 @@ class _Run:
                             [p for p in s.precisions if p in self.models or p in self.model_errors],
                             s.batches, static=static and self.source is not None)
         self.fell_back, self.fell_back_provider = {}, {}
-        with Progress(total=len(planned), desc="bench", enabled=self.progress) as bar:
-            for backend, batch, specs in groups(planned):
-                live = []
-                try:
-                    for spec in specs:
-                        row = _new_row(spec, self.labels)
-                        self.rows.append(row)
-                        bar.update(0, row=f"{backend} {spec.precision} {spec.variant} batch {batch}")
-                        runner = self._open(row, spec)
-                        if runner is None:
-                            bar.update(1)
-                        else:
-                            live.append((row, runner))
-                    times = time_interleaved([(id(r), rn) for r, rn in live], s.rounds, s.iterations, s.min_time)
-                    for row, runner in live:
-                        self._finish(row, runner, times[id(row)])
-                        bar.update(1, row=f"{backend} {row['precision']} {row['variant']} batch {batch}")
-                finally:
-                    for _, runner in live:
-                        runner.close()
-                    gc.collect()
+        done = set()  # id() of the rows finished: timed, or failed
+        with Progress(total=len(planned), desc="bench", enabled=self.progress,
+                      status_interval=ROW_PROGRESS_S) as bar:
+            self.bar = bar
+            try:
+                for backend, batch, specs in groups(planned):
+                    self._run_group(backend, batch, specs, bar, done)
+            except KeyboardInterrupt:
+                self._cut(len(planned), done)
         for b, why in self.fell_back.items():
             self.status[b] = {"status": "fell-back", "reason": why}
-        self._judge()
+        if self.interrupted is None:
+            try:
+                self._judge()
+            except KeyboardInterrupt:
+                self._cut(len(planned), done, "while judging accuracy (every row was timed)",
+                          "accuracy is judged only where the table shows it")
+        if self.interrupted is not None:
+            self.outputs.clear()
+            for row in self.rows:
+                if row["status"] == "ok" and row["accuracy"] is None and not row.get("accuracy_note"):
+                    row["accuracy_note"] = "not judged: the run was interrupted (Ctrl-C)"
         add_speedups(self.rows)
         self.fastest = fastest_variants(self.rows)
+
+    def _run_group(self, backend, batch, specs, bar, done):
+        """Open, warm up and time the rows of one backend and batch (interleaved rounds)."""
+        s, live = self.s, []
+        try:
+            for spec in specs:
+                row = _new_row(spec, self.labels)
+                self.rows.append(row)
+                bar.update(0, row=f"{backend} {spec.precision} {spec.variant} batch {batch}")
+                runner = self._open(row, spec)
+                if runner is None:
+                    done.add(id(row))
+                    bar.update(1)
+                else:
+                    live.append((row, runner))
+            by_id = {id(r): r for r, _ in live}
+            target = s.rounds * -(-s.iterations // s.rounds)  # runs per row when the count decides
+
+            of_time = f"/{s.min_time:g}" if s.min_time else ""  # the seconds min_time asks for
+
+            def runs_of(n):
+                return f"{n}/{target}" if n <= target else str(n)  # past the count: min_time decides
+
+            def tick(key, r, runs, seconds):  # between timed runs, outside their time
+                row = by_id[key]
+                self.doing = (row, lambda: f"timing {{row}} (run {runs_of(runs + 1)}, round {r + 1}/{s.rounds})")
+                bar.status(lambda: f"  {_row_name(row)}: run {runs_of(runs)}, {seconds:.1f}{of_time} s timed, "
+                                   f"round {r + 1}/{s.rounds}")
+            times = time_interleaved([(id(r), rn) for r, rn in live], s.rounds, s.iterations, s.min_time, tick)
+            for row, runner in live:
+                self.doing = (row, "reading the outputs of {row}")
+                self._finish(row, runner, times[id(row)])
+                done.add(id(row))
+                bar.update(1, row=f"{backend} {row['precision']} {row['variant']} batch {batch}")
+            self.doing = None
+        finally:
+            for _, runner in live:
+                runner.close()
+            gc.collect()
+
+    def _cut(self, planned: int, done: set, where: str | None = None, accuracy: str = "accuracy not judged"):
+        """Ctrl-C: keep the finished rows only, and say which row was cut and how far it got."""
+        if where is None:
+            row, what = self.doing or (None, "")
+            what = what() if callable(what) else what
+            where = f"while {what.format(row=_row_name(row))}" if row is not None else "between rows"
+        self.rows = [r for r in self.rows if id(r) in done]
+        left = planned - len(self.rows)
+        self.interrupted = (f"interrupted (Ctrl-C) {where}: {len(self.rows)} of {planned} planned rows finished"
+                            + (f", {left} were cut or not run" if left else "") + f"; {accuracy}")
 
     def _open(self, row, spec):
         """The warmed-up runner of one row, or None (the row is marked failed, with why)."""
@@ -403,6 +470,7 @@ class _Run:
             return None
         feeds, src = self.feeds[spec.batch], self.models[p]
         gpu = b != "ort-cpu"
+        self.doing = (row, "building the engine of {row}" if b == "trt" else "opening the session of {row}")
         mem0, how = device_memory_used() if gpu else (None, "")
         t0 = time.perf_counter()
         try:
@@ -423,7 +491,7 @@ class _Run:
                 row["build_s"] = time.perf_counter() - t0
             row["provider"] = runner.provider
             row["settings"] = dict(runner.settings, timing=TIMING, model_file=os.path.basename(src))
-            timed_loop(lambda: runner.run() or 0.0, s.warmup, 0, 0.0)
+            self._warm_up(row, runner)
         except FellBack as e:
             self.fell_back[b], self.fell_back_provider[b] = str(e), e.provider
             row.update(status="failed", error=str(e), provider=e.provider)
@@ -440,6 +508,18 @@ class _Run:
         elif gpu:
             row["memory_note"] = how
         return runner
+
+    def _warm_up(self, row, runner):
+        """`warmup` untimed runs, with a progress line (at most every ROW_PROGRESS_S)."""
+        n, bar, t0 = self.s.warmup, self.bar, time.perf_counter()
+        try:
+            for i in range(n):
+                self.doing = (row, f"warming up {{row}} (run {i + 1}/{n})")
+                runner.run()
+                bar.status(lambda: f"  {_row_name(row)}: warm-up {i + 1}/{n}, {time.perf_counter() - t0:.1f} s")
+        except KeyboardInterrupt:
+            runner.close()
+            raise
 
     def _finish(self, row, runner, times):
         if isinstance(times, Exception):
@@ -517,7 +597,9 @@ class _Run:
                      "oracle": None, "passed": None, "max_abs": None, "max_rel": None, "argmax_agree": None,
                      "nonfinite": None}
             mixed = self.models.get(p)
-            if self.source is None:
+            if self.interrupted is not None:
+                entry.update(status="skipped", reason="the run was interrupted (Ctrl-C)")
+            elif self.source is None:
                 entry.update(status="skipped", reason="no FP32 source to compare with")
             elif mixed is not None and mixed == self.source:
                 entry.update(status="skipped", reason="nothing was converted: the rows run the reference model itself")
@@ -553,6 +635,12 @@ class _Run:
             i = self.model_info["ort-opt"]
             notes.append(f"ort-opt: model_type {i['model_type']} ({'guessed from the graph' if i['guessed'] else 'given'}"
                          f"); {i['how']}; fused: {i['fused'] or 'nothing'}")
+        try:
+            oracle = self.oracle()
+        except KeyboardInterrupt:  # the rows are timed and judged: keep them, say the oracle did not run
+            self.interrupted = ("interrupted (Ctrl-C) while running the FP16-faithful oracle: every row was timed "
+                                "and judged")
+            oracle = []
         settings = s.to_dict()
         settings.update(data=os.fspath(s.data) if s.data is not None else None, inputs=self.inputs_text,
                         compare=[p for p in COMPARE if p in s.precisions],
@@ -575,7 +663,8 @@ class _Run:
             "backends": self.status, "rows": self.rows, "fastest": self.fastest,
             "accuracy": {"reference": self.reference_text, "rule": settings["rule"], "max_error": s.max_error,
                          "tf32_factor": s.tf32_factor, "yardsticks": getattr(self, "yardsticks", [])},
-            "oracle": self.oracle(), "notes": notes,
+            "oracle": oracle, "notes": notes,
+            "partial": self.interrupted is not None, "interrupted": self.interrupted,
         }
 
 
@@ -605,6 +694,12 @@ def fastest_variants(rows: list) -> list:
             out.append({"backend": b, "batch": batch, "precision": p, "variant": best, "median_ms": by[best],
                         "by_variant": by})
     return out
+
+
+def _row_name(row) -> str:
+    """'ort-cpu fp16 batch 8' ('ort-cuda fp16 nhwc batch 8' for a variant): a row in progress lines."""
+    variant = "" if row["variant"] == "default" else f" {row['variant']}"
+    return f"{row['backend']} {row['precision']}{variant} batch {row['batch']}"
 
 
 def _kept(info, kept):

@@ -46,9 +46,10 @@ class FellBack(GraphmpError):
 
 # --- timing -------------------------------------------------------------------------------------
 
-def timed_loop(step, warmup: int, iterations: int, min_time: float) -> list:
+def timed_loop(step, warmup: int, iterations: int, min_time: float, tick=None) -> list:
     """Run `step` (returns its own duration in seconds) `warmup` times untimed, then until at
-    least `iterations` steps and `min_time` seconds were measured. Returns the step times."""
+    least `iterations` steps and `min_time` seconds were measured. Returns the step times.
+    `tick(steps, seconds)`, if given, is called after each timed step (outside its time)."""
     for _ in range(warmup):
         step()
     times, total = [], 0.0
@@ -56,6 +57,8 @@ def timed_loop(step, warmup: int, iterations: int, min_time: float) -> list:
         t = step()
         times.append(t)
         total += t
+        if tick is not None:
+            tick(len(times), total)
     return times
 
 
@@ -76,21 +79,32 @@ def latency_stats(times) -> dict:
             "min": float(ms.min()), "max": float(ms.max())}
 
 
-def time_interleaved(live: list, rounds: int, iterations: int, min_time: float) -> dict:
+def time_interleaved(live: list, rounds: int, iterations: int, min_time: float, tick=None) -> dict:
     """Time the open runners `live` ([(key, runner)]) in `rounds` interleaved rounds (each
     gets ceil(iterations/rounds) steps and min_time/rounds seconds per round), so a change of
-    machine load touches every row alike. Returns {key: step times | the exception}."""
+    machine load touches every row alike. Returns {key: step times | the exception}.
+    `tick(key, round, steps, seconds)` (round from 0; steps and seconds of that row so far), if
+    given, is called when a row's round starts and after each of its timed steps: progress,
+    and which row a Ctrl-C cuts. A KeyboardInterrupt is not caught: it stops every row."""
     out = {k: [] for k, _ in live}
     n, t = math.ceil(iterations / rounds), min_time / rounds
-    for _ in range(rounds):
+    for r in range(rounds):
         for k, runner in live:
             if isinstance(out[k], Exception):
                 continue
+            on_step = None if tick is None else _round_tick(tick, k, r, len(out[k]), sum(out[k]))
             try:
-                out[k] += timed_loop(host_step(runner), 0, n, t)
+                out[k] += timed_loop(host_step(runner), 0, n, t, on_step)
             except Exception as e:  # noqa: BLE001 - one row fails, the others go on
                 out[k] = e
     return out
+
+
+def _round_tick(tick, key, r, before: int, spent: float):
+    """time_interleaved's tick for one row's round: says the round starts, then counts on
+    from the `before` steps and `spent` seconds of the earlier rounds."""
+    tick(key, r, before, spent)
+    return lambda steps, total: tick(key, r, before + steps, spent + total)
 
 
 def device_memory_used():

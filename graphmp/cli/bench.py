@@ -15,7 +15,9 @@ what one run does:
   session-option variant: creates the session / builds the engine, checks what provider
   actually runs, warms up, times synchronized runs on the host clock (the same for every
   backend) until --iterations and --min-time are both reached, and compares the outputs
-  with ONNX Runtime CPU FP32 on the same inputs.
+  with ONNX Runtime CPU FP32 on the same inputs. While a row warms up and is timed, a line on
+  stderr says how far it got, at most every 2 s (none with -q). Ctrl-C stops the run: the rows
+  that finished are printed and written to --json with "partial": true, and the exit code is 130.
 
 backends:  trt       TensorRT, strongly typed, one engine per precision and batch
                      (needs tensorrt and torch with CUDA for buffers and CUDA events)
@@ -106,29 +108,42 @@ def add(sub):
 
 
 def run(args) -> int:
-    from ..bench import bench
+    from ..bench import BenchInterrupted, bench
     from ..io import check_writable
     outputs = []  # refused before any work when one is an input (bench's refuse_overwrites) or a device/FIFO
     for what, path, in_place_ok in (("--json", args.json, True), ("--plot", args.plot, False)):
         if path:
             check_writable(path, None, what, in_place_ok)
             outputs.append((what, path))
-    res = bench(args.model, converted=args.converted, backends=args.backends, precisions=args.precisions,
-                compare=args.compare, compare_occ=args.compare_occ, model_type=args.model_type,
-                batches=args.batch, data=args.data, shapes=args.shapes, seed=args.seed, warmup=args.warmup,
-                iterations=args.iterations, min_time=args.min_time, rounds=args.rounds,
-                cudnn_conv_algo_search=args.cudnn_conv_algo_search, timing_cache=args.timing_cache,
-                workspace_mb=args.workspace, max_error=args.max_error, tf32_factor=args.tf32_factor,
-                atol=args.atol, rtol=args.rtol, oracle_max_mb=args.oracle_max_mb,
-                keep=args.keep, command=getattr(args, "command_line", None), progress=not args.quiet,
-                outputs=outputs)
+    try:
+        res = _bench(bench, args, outputs)
+    except BenchInterrupted as e:  # Ctrl-C: the finished rows are still written and shown (exit 130)
+        res = e.result
     if args.json:
         res.write_json(args.json, in_place_ok=True)
     if args.plot:
         res.plot(args.plot)
     print(res.table())
+    if res.data["partial"]:
+        n, kept = len(res.rows), f"; {args.json} with \"partial\": true" if args.json else ""
+        print(f"graphmp: interrupted (Ctrl-C): {n} row{'' if n == 1 else 's'} had finished (the table above{kept})",
+              file=sys.stderr)
+        return 130
     if not any(r["status"] == "ok" for r in res.rows):
         print("graphmp: no benchmark row finished (each failed or its backend was skipped; see the table). "
               "Check --shapes / --data, or the backends' notes above.", file=sys.stderr)
         return 1
     return 0
+
+
+def _bench(bench, args, outputs):
+    """graphmp.bench with the command's arguments."""
+    return bench(args.model, converted=args.converted, backends=args.backends, precisions=args.precisions,
+                 compare=args.compare, compare_occ=args.compare_occ, model_type=args.model_type,
+                 batches=args.batch, data=args.data, shapes=args.shapes, seed=args.seed, warmup=args.warmup,
+                 iterations=args.iterations, min_time=args.min_time, rounds=args.rounds,
+                 cudnn_conv_algo_search=args.cudnn_conv_algo_search, timing_cache=args.timing_cache,
+                 workspace_mb=args.workspace, max_error=args.max_error, tf32_factor=args.tf32_factor,
+                 atol=args.atol, rtol=args.rtol, oracle_max_mb=args.oracle_max_mb,
+                 keep=args.keep, command=getattr(args, "command_line", None), progress=not args.quiet,
+                 outputs=outputs)
