@@ -117,16 +117,17 @@ class Ctx:
     root: Graph | None = None
     names: Names | None = None
     types: dict = field(default_factory=dict)      # graph key -> {tensor: elem_type}
+    opsets: dict = field(default_factory=dict)     # domain -> opset version of the model (types pass)
     ranges: dict = field(default_factory=dict)     # (graph key, tensor) -> max |x| over calibration
     batches: list = field(default_factory=list)    # calibration feeds that ran (for the search)
     batch_outputs: list = field(default_factory=list)  # the model's outputs on the first batches (calibrate)
-    range_candidates: dict = field(default_factory=dict)  # id(node) -> range reason the search may overrule
+    range_candidates: dict = field(default_factory=dict)  # Node -> range reason the search may overrule
     search_refs: list = field(default_factory=list)  # FP32 outputs on those batches (search, verify)
     search_budget: object = None                    # graphmp.budget.Budget of --max-error (search, verify)
     plan: object = None                             # node keys, budget, references (passes/plan_file.py)
-    info: dict = field(default_factory=dict)       # id(node) -> NodeInfo
+    info: dict = field(default_factory=dict)       # Node -> NodeInfo (graphmp.ir.Node hashes by identity)
     weight_rounding: dict = field(default_factory=dict)  # (graph key, weight) -> FP16 rounding facts or None (classify)
-    lowered: set = field(default_factory=set)      # id(node) of nodes running in low precision
+    lowered: set = field(default_factory=set)      # the Nodes running in low precision
     report: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)

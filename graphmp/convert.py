@@ -1,8 +1,10 @@
 """graphmp.convert: FP32 ONNX -> mixed precision, as a pipeline of passes.
 
-The pipeline is PIPELINE below; each pass lives in graphmp/passes/ and says in its
-docstring what it needs and what it guarantees. Around it: load (the input is never
-modified), the report, and an atomic, streaming save.
+The pipeline is PIPELINE below, one Step per pass; each pass lives in graphmp/passes/
+and says in its docstring what it needs and what it guarantees, and its Step declares
+the same as data (the Ctx fields it needs and gives), checked with GRAPHMP_DEBUG=1 and
+in the tests. Around it: load (the input is never modified), the report, and an atomic,
+streaming save.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from .io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, mo
                  tensor_nbytes)
 from .save import save_model
 from .wire import is_self_reference
-from .passes import PassResult, apply, calibrate, classify, fuse, paint, plan_file, prepare, search, types
+from .passes import (PassResult, Step, apply, calibrate, checking, classify, fuse, paint, plan_file, prepare,
+                     run_steps, search, types)
 from .passes.apply import LowConverter, to_low
 from .plan_read import load as load_plan
 
@@ -39,37 +42,84 @@ def sort(ctx) -> PassResult:
     return PassResult(changed=True)
 
 
-# (report key, pass). A pass's details go into the report under its key (None: top level).
+def _searching(ctx) -> bool:   # --max-error without --plan
+    return ctx.options.max_error is not None and ctx.options.plan is None
+
+
+def _planning(ctx) -> bool:    # --plan or --save-plan
+    return ctx.options.plan is not None or bool(ctx.options.save_plan)
+
+
+def _plan_given(ctx) -> bool:  # --plan
+    return ctx.options.plan is not None
+
+
+def _plan_saved(ctx) -> bool:  # --save-plan
+    return bool(ctx.options.save_plan)
+
+
+# The passes in order: Step(report key, pass, needs, gives, when). needs/gives are the
+# pass's contract as names of Ctx fields (graphmp/passes/__init__.py; checked with
+# GRAPHMP_DEBUG=1 and in the tests); `when`: the options under which the pass does its job.
+# A pass's details go into the report under its key (None: top level).
 PIPELINE = [
-    ("fuse", fuse.run),                              # --fuse ort: ONNX Runtime's transformer fusions
-    ("prepare", prepare.run),                        # opset >= 7, constants, names, sorted; the IR
-    ("types", types.run),                            # element type of every tensor
-    ("prepare", prepare.run_drop_redundant_casts),   # no-op and round-trip Casts of the source
-    ("calibration", calibrate.run),                  # max |x| of every float tensor (FP32 runs)
-    ("classify", classify.run),                      # op class; why a node must stay FP32
-    ("paint", paint.run),                            # which nodes run in the low type
-    ("search", plan_file.unless_plan(search.run)),   # --max-error: fewest FP32 nodes within budget (not with --plan)
-    ("plan", plan_file.run),                         # --plan: the saved precisions; --save-plan: node keys
-    (None, apply.run),                               # Casts, converted weights
-    ("sort", sort),                                  # topological order, written back
-    ("search", search.verify),                       # --max-error: the written model's error
-    ("plan", plan_file.verify),                      # --plan: the written model's error
-    ("plan", plan_file.save),                        # --save-plan: the plan file
+    # --fuse ort: ONNX Runtime's transformer fusions
+    Step("fuse", fuse.run, needs=("model",), gives=("model",)),
+    # opset >= 7, constants, names, sorted; the IR
+    Step("prepare", prepare.run, needs=("model",), gives=("root", "names")),
+    # element type of every tensor; the opsets
+    Step("types", types.run, needs=("root",), gives=("types", "opsets")),
+    # no-op and round-trip Casts of the source
+    Step("prepare", prepare.run_drop_redundant_casts, needs=("root", "types")),
+    # max |x| of every float tensor (FP32 runs); the batches that ran and their outputs
+    Step("calibration", calibrate.run, needs=("types",), gives=("ranges", "batches", "batch_outputs")),
+    # op class; why a node must stay FP32
+    Step("classify", classify.run, needs=("root", "types", "opsets", "ranges"),
+         gives=("info", "weight_rounding", "range_candidates")),
+    # which nodes run in the low type
+    Step("paint", paint.run, needs=("info",), gives=("lowered",)),
+    # --max-error: fewest FP32 nodes within budget (not with --plan)
+    Step("search", plan_file.unless_plan(search.run),
+         needs=("info", "lowered", "batches", "batch_outputs", "range_candidates"),
+         gives=("search_budget", "search_refs"), when=_searching),
+    # --plan: the saved precisions; --save-plan: node keys
+    Step("plan", plan_file.run, needs=("info", "lowered", "batches"), gives=("plan",), when=_planning),
+    # Casts, converted weights
+    Step(None, apply.run, needs=("info", "lowered", "types")),
+    # topological order, written back
+    Step("sort", sort, needs=("root",)),
+    # --max-error: the written model's error
+    Step("search", search.verify, needs=("search_budget", "search_refs", "batches"), when=_searching),
+    # --plan: the written model's error
+    Step("plan", plan_file.verify, needs=("plan",), when=_plan_given),
+    # --save-plan: the plan file
+    Step("plan", plan_file.save, needs=("plan",), when=_plan_saved),
 ]
 
+# What a given field must hold beyond "not None" (the passes' prose guarantees, cheap to check).
+FIELD_CHECKS = {
+    "types": (lambda ctx: all(g.key in ctx.types for g in ctx.root.walk()), "an entry for every graph"),
+    "info": (lambda ctx: len(ctx.info) >= sum(1 for _ in ctx.nodes()), "an entry for every node"),
+}
 
-def run_pipeline(ctx, steps=PIPELINE) -> dict:
-    """Run the passes in order; returns {pass name: seconds}."""
-    timings = {}
-    for key, step in steps:
-        name = f"{step.__module__.rsplit('.', 1)[-1]}.{step.__name__}"
-        ctx.log(name)
-        t = time.perf_counter()
-        res = step(ctx)
-        timings[name] = round(time.perf_counter() - t, 4)
-        if res is not None and res.details:
-            target = ctx.report if key is None else ctx.report.setdefault(key, {})
+
+def run_pipeline(ctx, steps=PIPELINE, check: bool | None = None) -> dict:
+    """Run the passes in order; returns {pass name: seconds}. Each pass's details go into
+    the report under its key; report["pipeline"] says which passes changed the model and
+    whether the contracts were checked (check: None = GRAPHMP_DEBUG=1 or a test run)."""
+    check = checking() if check is None else check
+    timings, changed = {}, []
+    for step, res, seconds in run_steps(ctx, steps, check, FIELD_CHECKS, log=ctx.log):
+        timings[step.name] = round(seconds, 4)
+        if res is None:
+            continue
+        if res.changed:
+            changed.append(step.name)
+        if res.details:
+            target = ctx.report if step.report_key is None else ctx.report.setdefault(step.report_key, {})
             target.update(res.details)
+    ctx.report["pipeline"] = {"changed": changed, "contracts_checked": check}
+    ctx.log(f"passes that changed the model: {', '.join(changed) or 'none'}")
     return timings
 
 
@@ -303,14 +353,14 @@ def _report_nodes(ctx):
     counts = collections.Counter()
     fp32_nodes = []
     for g, n in ctx.nodes():
-        info = ctx.info.get(id(n))
+        info = ctx.info.get(n)
         if info is None:
             continue
         if info.cls == "none" or (info.cls == "fixed" and not info.reason):
             counts["other"] += 1
             if any(o and ctx.type_of(g, o) in LOW_ELEMS for o in n.outputs):
                 counts["source_low"] += 1  # low precision already in the source (a mixed or FP16 model)
-        elif id(n) in ctx.lowered:
+        elif n in ctx.lowered:
             counts["low"] += 1
         else:
             counts["fp32"] += 1
@@ -323,8 +373,8 @@ def _report_nodes(ctx):
     ctx.report["fp32_by_reason"] = dict(collections.Counter(_reason_group(e["reason"]) for e in fp32_nodes).most_common())
     ctx.report["range_rule"] = _range_rule(ctx, fp32_nodes)
     ctx.report["norm_io"] = {"policy": ctx.options.norm_io, "lowered": sorted(
-        n.name for g, n in ctx.nodes() if ctx.info.get(id(n)) is not None and ctx.info[id(n)].cls == "norm"
-        and id(n) in ctx.lowered)}
+        n.name for g, n in ctx.nodes() if ctx.info.get(n) is not None and ctx.info[n].cls == "norm"
+        and n in ctx.lowered)}
     if not counts["low"] and counts["fp32"]:
         why = "; ".join(f"{n} {r}" for r, n in list(ctx.report["fp32_by_reason"].items())[:3])
         ctx.warn(f"nothing was converted: all {counts['fp32']} float nodes stay FP32 ({why}), so the output "

@@ -31,7 +31,11 @@ def iter_graphs(graph):
 
 
 class Node:
-    """One NodeProto plus the graph it lives in and its subgraphs (by attribute)."""
+    """One NodeProto plus the graph it lives in and its subgraphs (by attribute).
+
+    A Node compares and hashes by identity (object's defaults: it defines no __eq__), so
+    the passes key per-node state by the Node itself (ctx.info, ctx.lowered, ...): a key
+    keeps its node alive and names it, where an id could be reused by a later object."""
 
     __slots__ = ("proto", "graph", "subgraphs", "order")
 
@@ -155,28 +159,28 @@ class Graph:
         """Sort nodes so every value is defined before use (outer-scope captures of
         subgraphs count as inputs). Keeps the original order where it is free."""
         produced = {o: n for n in self.nodes for o in n.outputs if o}
-        deps = {}
+        deps: dict[Node, set[Node]] = {}
         for n in self.nodes:
             reads = set(i for i in n.inputs if i) | n.implicit_inputs()
-            deps[id(n)] = {id(produced[r]) for r in reads if r in produced and produced[r] is not n}
-        users: dict[int, list[Node]] = {id(n): [] for n in self.nodes}
+            deps[n] = {produced[r] for r in reads if r in produced and produced[r] is not n}
+        users: dict[Node, list[Node]] = {n: [] for n in self.nodes}
         for n in self.nodes:
-            for d in deps[id(n)]:
+            for d in deps[n]:
                 users[d].append(n)
-        indeg = {id(n): len(deps[id(n)]) for n in self.nodes}
+        indeg = {n: len(deps[n]) for n in self.nodes}
         tie = itertools.count()
-        heap = [(n.order, next(tie), n) for n in self.nodes if indeg[id(n)] == 0]
+        heap = [(n.order, next(tie), n) for n in self.nodes if indeg[n] == 0]
         heapq.heapify(heap)
         out = []
         while heap:
             _, _, n = heapq.heappop(heap)
             out.append(n)
-            for u in users[id(n)]:
-                indeg[id(u)] -= 1
-                if indeg[id(u)] == 0:
+            for u in users[n]:
+                indeg[u] -= 1
+                if indeg[u] == 0:
                     heapq.heappush(heap, (u.order, next(tie), u))
         if len(out) != len(self.nodes):
-            stuck = [n.name for n in self.nodes if indeg[id(n)] > 0][:5]
+            stuck = [n.name for n in self.nodes if indeg[n] > 0][:5]
             raise GraphmpError(f"{model_path}: graph '{self.key}' has a cycle through nodes {stuck}; "
                                "the model is not a valid ONNX DAG. Re-export it.")
         self.nodes = out

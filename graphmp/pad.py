@@ -1,15 +1,20 @@
 """graphmp.pad: Tensor Core channel padding as a command of its own (FP32 stays FP32).
 
-    load -> canonical constants -> pad_channels (passes/pad_channels.py) -> save (atomic)
+    load -> PAD_STEPS -> save (atomic)
          -> optional validation: ONNX Runtime outputs before vs after on the same inputs
 
-`graphmp.convert(..., pad_channels=8)` runs the same pass before converting.
+PAD_STEPS (below) is a list of Steps like convert's PIPELINE, with the same contracts
+(the PadState fields each step needs and gives, checked with GRAPHMP_DEBUG=1 and in the
+tests): canonical constants and node names, alignment before, the padder
+(graphmp/passes/pad/, entry point pad_channels), topological order, alignment after.
+`graphmp.convert(..., pad_channels=8)` runs the same steps (pad_model) before converting.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -20,7 +25,8 @@ from .io import is_external, iter_graphs, load_model, materialize, model_weight_
 from .save import save_model
 from .ir import Names, name_nodes
 from .ops import PAD_MULTIPLES as MULTIPLES
-from .passes.pad_channels import pad_channels
+from .passes import PassResult, Step, run_steps
+from .passes.pad import pad_channels
 from .passes.prepare import constants_to_initializers, initializers_out_of_inputs
 
 PAD_KEY = "graphmp.pad"
@@ -136,43 +142,101 @@ def _sort(model: onnx.ModelProto) -> None:
     root.write_back()
 
 
-def _outputs_off_initializers(model: onnx.ModelProto) -> None:
+def _outputs_off_initializers(model: onnx.ModelProto) -> int:
     """A graph output that is an initializer is read through an Identity of it, so that
     padding the weight (which changes its shape) never changes what the output declares;
-    the output declares the weight's own type and shape (what it really is)."""
+    the output declares the weight's own type and shape (what it really is). Returns how
+    many outputs."""
     inits = {t.name: t for t in model.graph.initializer}
+    moved = 0
     for v in model.graph.output:
         t = inits.get(v.name)
         if t is not None:
             v.CopyFrom(onnx.helper.make_tensor_value_info(v.name, t.data_type, list(t.dims)))
             t.name = f"{v.name}.value"
             model.graph.node.insert(0, onnx.helper.make_node("Identity", [t.name], [v.name], name=f"{v.name}.output"))
+            moved += 1
+    return moved
+
+
+@dataclass
+class PadState:
+    """One padding run: its options and the fields PAD_STEPS need and give."""
+    model: onnx.ModelProto
+    base_dir: str | None
+    multiple: int
+    stem: str = "auto"
+    max_overhead: float = 0.5
+    warnings: list = field(default_factory=list)
+    names: Names | None = None              # every node of every graph has a unique name
+    weight_bytes_before: int | None = None
+    aligned_before: dict | None = None      # alignment() before padding
+    padding: dict | None = None             # the padder's report (pad_channels)
+    aligned_after: dict | None = None
+
+
+def _canonical(st: PadState) -> PassResult:
+    """Initializers out of the graph inputs, float Constants as initializers, graph outputs
+    off initializers, every node named: what the padder's walk and its report rely on."""
+    moved = initializers_out_of_inputs(st.model)
+    if moved:
+        st.warnings.append(f"{moved} initializers were also graph inputs; they are now constants (so their "
+                           "weights can be padded; ONNX Runtime recommends the same)")
+    constants = constants_to_initializers(st.model)
+    outputs = _outputs_off_initializers(st.model)
+    st.names = Names(st.model)
+    named = name_nodes(st.model, st.names)
+    return PassResult(changed=bool(moved or constants or outputs or named))
+
+
+def _measure_before(st: PadState) -> PassResult:
+    st.weight_bytes_before = model_weight_bytes(st.model)
+    st.aligned_before = alignment(st.model, st.multiple)
+    return PassResult(changed=False)
+
+
+def _pad_channels(st: PadState) -> PassResult:
+    st.padding = pad_channels(st.model, st.base_dir, st.multiple, st.stem, st.max_overhead)
+    return PassResult(changed=bool(st.padding["padded"] or st.padding["stem"] or st.padding["slice_nodes"]))
+
+
+def _sort_model(st: PadState) -> PassResult:
+    _sort(st.model)
+    return PassResult(changed=True)
+
+
+def _measure_after(st: PadState) -> PassResult:
+    st.aligned_after = alignment(st.model, st.multiple)
+    return PassResult(changed=False)
+
+
+# The padding steps in order, with their contracts (PadState fields), as convert.PIPELINE.
+PAD_STEPS = [
+    Step(None, _canonical, needs=("model",), gives=("names",)),            # constants, node names
+    Step(None, _measure_before, needs=("names",), gives=("weight_bytes_before", "aligned_before")),
+    Step(None, _pad_channels, needs=("names",), gives=("padding",)),       # the padder (passes/pad/)
+    Step(None, _sort_model, needs=("padding",)),                            # topological order, written back
+    Step(None, _measure_after, needs=("padding",), gives=("aligned_after",)),
+]
 
 
 def pad_model(model: onnx.ModelProto, base_dir: str | None, multiple: int, stem: str = "auto",
-              max_overhead: float = 0.5) -> dict:
-    """Pad an in-memory model (modified in place) and return the report."""
+              max_overhead: float = 0.5, check: bool | None = None) -> dict:
+    """Pad an in-memory model (modified in place) and return the report. check: the
+    steps' contracts (None: with GRAPHMP_DEBUG=1 and in the tests)."""
     if multiple not in MULTIPLES:
         raise GraphmpError(f"--multiple must be one of {', '.join(map(str, MULTIPLES))}, not {multiple}")
     if stem not in ("auto", "off"):
         raise GraphmpError(f"stem must be 'auto' or 'off', not '{stem}'")
-    warnings = []
-    moved = initializers_out_of_inputs(model)
-    if moved:
-        warnings.append(f"{moved} initializers were also graph inputs; they are now constants (so their "
-                        "weights can be padded; ONNX Runtime recommends the same)")
-    constants_to_initializers(model)
-    _outputs_off_initializers(model)
-    name_nodes(model, Names(model))
-    before = model_weight_bytes(model)
-    aligned_before = alignment(model, multiple)
-    rep = pad_channels(model, base_dir, multiple, stem, max_overhead)
-    _sort(model)
-    rep["aligned_before"], rep["aligned_after"] = aligned_before, alignment(model, multiple)
+    st = PadState(model, base_dir, multiple, stem, max_overhead)
+    for _ in run_steps(st, PAD_STEPS, check):
+        pass
+    rep = st.padding
+    rep["aligned_before"], rep["aligned_after"] = st.aligned_before, st.aligned_after
     rep["needs_copy"] = [u for u in rep["unaligned"] if u.get("needs_copy")]
-    rep["weight_bytes_before"] = before
-    rep["weight_bytes_added"] = model_weight_bytes(model) - before
-    rep["warnings"] = warnings
+    rep["weight_bytes_before"] = st.weight_bytes_before
+    rep["weight_bytes_added"] = model_weight_bytes(model) - st.weight_bytes_before
+    rep["warnings"] = st.warnings
     meta = model.metadata_props.add()
     meta.key, meta.value = PAD_KEY, json.dumps({"version": __version__, "multiple": multiple})
     return rep

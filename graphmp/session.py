@@ -33,7 +33,7 @@ def ran_on(sess) -> str:
 
 def cuda_options(ctx) -> dict:
     """The ORT CUDA provider options for a conversion (after paint: ctx.lowered)."""
-    conv_low = any(n.op_type in CONV_OPS and id(n) in ctx.lowered for _, n in ctx.nodes())
+    conv_low = any(n.op_type in CONV_OPS and n in ctx.lowered for _, n in ctx.nodes())
     return {"prefer_nhwc": "1"} if conv_low else {}
 
 

@@ -222,8 +222,8 @@ def apply(ctx):
     # 1. produced types of lowered (and raised) nodes' outputs, and of main-graph inputs without keep-io
     for g in graphs:
         for n in g.nodes:
-            info = ctx.info[id(n)]
-            if id(n) in ctx.lowered:
+            info = ctx.info[n]
+            if n in ctx.lowered:
                 for i in info.low_outputs:
                     rw.produced[(g.key, n.outputs[i])] = low
             for i in info.high_outputs:
@@ -238,9 +238,9 @@ def apply(ctx):
     needs = []
     for g in graphs:
         for n in g.nodes:
-            lowered = id(n) in ctx.lowered
-            low_in = set(ctx.info[id(n)].low_inputs) if lowered else set()
-            high_in = set(ctx.info[id(n)].high_inputs)
+            lowered = n in ctx.lowered
+            low_in = set(ctx.info[n].low_inputs) if lowered else set()
+            high_in = set(ctx.info[n].high_inputs)
             for i, x in enumerate(n.inputs):
                 if not x:
                     continue

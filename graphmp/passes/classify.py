@@ -1,7 +1,7 @@
 """classify: for every node, its op class and whether it may run in low precision.
 
 Needs: ctx.types (types pass), ctx.ranges (calibrate; may be empty), the options.
-Guarantees: ctx.info[id(node)] for every node of every graph: the op class, the input
+Guarantees: ctx.info[node] for every node (graphmp.ir.Node) of every graph: the op class, the input
 and output positions that would take the low type, and the reason it must stay FP32
 (None when it may be lowered).
 
@@ -327,7 +327,7 @@ def _carried_pairs(g, opset: int) -> list[tuple[str, str]]:
 
 
 def _recurrence_nodes(ctx, g, users: dict) -> set:
-    """ids of g's nodes on a path from a carried float state to its next value (users: g's
+    """g's nodes on a path from a carried float state to its next value (users: g's
     consumers map)."""
     pairs = [(i, o) for i, o in _carried_pairs(g, ctx.opsets.get("", 1)) if ctx.type_of(g, i) == FLOAT]
     if not pairs:
@@ -347,9 +347,9 @@ def _recurrence_nodes(ctx, g, users: dict) -> set:
         while todo:
             t = todo.pop()
             p = producers.get(t)
-            if p is None or id(p) in back or not any(o in ahead for o in p.outputs):
+            if p is None or p in back or not any(o in ahead for o in p.outputs):
                 continue
-            back.add(id(p))
+            back.add(p)
             todo.extend(i for i in p.inputs if i)
         out |= back
     return out
@@ -418,7 +418,7 @@ def classify(ctx):
     for g, n in ctx.nodes():
         cls = ops.op_class(n.op_type, n.domain)
         info = _schema_info(ctx, g, n, cls, raise_to_fp32=bool(fp32_re and fp32_re.search(n.name)))
-        ctx.info[id(n)] = info
+        ctx.info[n] = info
         if info.cls == "none":
             continue
         if cls == "fixed":
@@ -459,7 +459,7 @@ def classify(ctx):
         if info.reason is None and ctx.ranges:
             reason, widest = _range_reason(ctx, g, n, consumers)
             if reason and opt.max_error is not None and widest <= GIVE_BACK_RANGE:
-                ctx.range_candidates[id(n)] = reason  # the search measures it in FP16 first
+                ctx.range_candidates[n] = reason  # the search measures it in FP16 first
             elif reason:
                 info.reason = reason
         if info.reason is None and cls == "fp32":
@@ -471,7 +471,7 @@ def classify(ctx):
                 info.reason = f"{n.op_type} is range-sensitive (FP32 op class)"
         if info.reason is None and _summed_square(g, n, consumers):
             info.reason = SQUARE_REASON
-        if info.reason is None and cls == "follow" and id(n) in recurrences(g):
+        if info.reason is None and cls == "follow" and n in recurrences(g):
             info.reason = RECURRENCE_REASON
         if info.reason:
             info.cls = "fp32"

@@ -50,7 +50,7 @@ def _producers(model) -> dict:
 
 def _from_range(name, prod, seen=None) -> bool:
     """Whether tensor `name` is computed from a Range (positions), through shape ops."""
-    seen = seen if seen is not None else set()
+    seen = seen if seen is not None else set()  # ids: a NodeProto is unhashable; prod keeps them alive
     n = prod.get(name)
     if n is None or id(n) in seen:
         return False

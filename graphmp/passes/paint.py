@@ -19,8 +19,8 @@ its I/O keep their declared types). Named steps, in order:
 Everything else keeps its FP32 type (a norm node left out gets its FP32 reason). Casts
 then appear only where a painted region meets an FP32 one.
 
-Needs: ctx.info (classify). Guarantees: ctx.lowered holds id(node) of every node that
-runs in the low type; the nodes step 2 marks and the norm nodes left FP32 get their
+Needs: ctx.info (classify). Guarantees: ctx.lowered holds every node (graphmp.ir.Node)
+that runs in the low type; the nodes step 2 marks and the norm nodes left FP32 get their
 reason in ctx.info (class fp32).
 """
 from __future__ import annotations
@@ -39,21 +39,21 @@ NORM_KEPT = ("{} is range-sensitive (FP32 op class); --norm-io lowers it only be
 def float_edges(ctx, g):
     """succ/pred over nodes of graph g, through tensors whose source type is FP32."""
     prod = g.producers()
-    succ = {id(n): [] for n in g.nodes}
-    pred = {id(n): [] for n in g.nodes}
+    succ = {n: [] for n in g.nodes}
+    pred = {n: [] for n in g.nodes}
     for n in g.nodes:
         reads = list(n.inputs) + sorted(n.implicit_inputs())
         for x in dict.fromkeys(reads):
             p = prod.get(x)
             if p is None or p is n or ctx.type_of(g, x) != FLOAT:
                 continue
-            succ[id(p)].append(n)
-            pred[id(n)].append(p)
+            succ[p].append(n)
+            pred[n].append(p)
     return succ, pred
 
 
 def _fp32_sources(ctx, g):
-    """ids of the nodes that read an FP32 graph input or outer-scope value (a source no
+    """The nodes that read an FP32 graph input or outer-scope value (a source no
     painting can lower)."""
     local = {o for n in g.nodes for o in n.outputs if o}
     out = set()
@@ -65,84 +65,86 @@ def _fp32_sources(ctx, g):
             if owner is not None and x in owner.initializers:
                 continue
             if ctx.type_of(g, x) == FLOAT:
-                out.add(id(n))
+                out.add(n)
     return out
 
 
 def _reach(starts, nbrs, ok):
-    """Nodes reachable from `starts` (excluded) via nbrs, stepping only onto ok nodes."""
+    """Nodes reachable from `starts` (excluded) via nbrs, stepping only onto ok nodes: an
+    ordered set (a dict node -> None, in the order reached)."""
     seen = {}
     dq = deque(starts)
     while dq:
         n = dq.popleft()
-        for m in nbrs[id(n)]:
-            if id(m) not in seen and ok(m):
-                seen[id(m)] = m
+        for m in nbrs[n]:
+            if m not in seen and ok(m):
+                seen[m] = None
                 dq.append(m)
     return seen
 
 
 def _joins(nodes, succ, pred, kind, reach) -> set:
-    """ids of the follow nodes where FP32 from a deny node meets FP16 work: a node reached
+    """The follow nodes where FP32 from a deny node meets FP16 work: a node reached
     by the spread that also reads a tensor of allow work (directly or through clear nodes,
     not itself reached by the spread), e.g. the residual Add of conv(x) + fp32_branch(x).
     Computing it in FP32 would cast the FP16 operand up and the sum back down for the FP16
     work after it; in FP16 only the FP32 operand is cast (one rounding of a value the next
     FP16 op rounds anyway). A join that leads into FP32 work stays FP32 (step 2's
     deny -> ... -> deny rule), as the residual stream into a LayerNorm does."""
-    low = {id(n) for n in nodes if kind(n) == "allow"}
-    todo = [n for n in nodes if id(n) in low]
+    low = {n for n in nodes if kind(n) == "allow"}
+    todo = [n for n in nodes if n in low]
     while todo:
         n = todo.pop()
-        for m in succ[id(n)]:
-            if kind(m) == "clear" and id(m) not in low:
-                low.add(id(m))
+        for m in succ[n]:
+            if kind(m) == "clear" and m not in low:
+                low.add(m)
                 todo.append(m)
-    return {id(m) for m in reach.values() if kind(m) == "infer"
-            and any(id(p) in low and id(p) not in reach for p in pred[id(m)])}
+    return {m for m in reach if kind(m) == "infer"
+            and any(p in low and p not in reach for p in pred[m])}
 
 
 def paint_graph(ctx, g):
     info = ctx.info
-    nodes = [n for n in g.nodes if info[id(n)].cls != "none"]
+    nodes = [n for n in g.nodes if info[n].cls != "none"]
     succ, pred = float_edges(ctx, g)
 
     def kind(n):
-        i = info[id(n)]
+        i = info[n]
         if i.reason:
             return "deny"
         return {"fp16": "allow", "follow": "infer", "clear": "clear", "norm": "norm"}.get(i.cls, "barrier")
 
     # 1. islands
-    island_starts = [n for n in nodes if n.op_type == "Cast" and info[id(n)].reason and "island" in info[id(n)].reason]
-    for m in _reach(island_starts, succ, lambda m: kind(m) != "barrier" and m.op_type != "Cast").values():
-        if not info[id(m)].reason:
-            info[id(m)].reason = ISLAND
+    island_starts = [n for n in nodes if n.op_type == "Cast" and info[n].reason and "island" in info[n].reason]
+    for m in _reach(island_starts, succ, lambda m: kind(m) != "barrier" and m.op_type != "Cast"):
+        if not info[m].reason:
+            info[m].reason = ISLAND
 
     # 2. deny forward through infer/clear into deny/infer; a join stops the spread
-    deny = {id(n): n for n in nodes if kind(n) == "deny"}
+    #    (deny, marked, allow: ordered sets, dicts node -> None)
+    deny = dict.fromkeys(n for n in nodes if kind(n) == "deny")
     free = lambda m: kind(m) in ("infer", "clear", "norm")  # noqa: E731
-    reach = _reach(deny.values(), succ, free)
+    reach = _reach(deny, succ, free)
     joins = _joins(nodes, succ, pred, kind, reach)
-    spread = _reach(deny.values(), succ, lambda m: free(m) and id(m) not in joins)
-    ends = [m for m in spread.values() if kind(m) in ("infer", "norm")]
-    ends += [m for m in reach.values() if any(id(s) in deny for s in succ[id(m)])]  # deny -> ... -> deny
-    marked = {id(m): m for m in ends}
-    marked.update(_reach(ends, pred, lambda m: id(m) in reach))
-    for m in marked.values():
-        src = next((p for p in pred[id(m)] if id(p) in deny or id(p) in marked), None)
-        info[id(m)].reason = SPREAD.format(src.name if src is not None else "?")
-        deny[id(m)] = m
+    spread = _reach(deny, succ, lambda m: free(m) and m not in joins)
+    ends = [m for m in spread if kind(m) in ("infer", "norm")]
+    ends += [m for m in reach if any(s in deny for s in succ[m])]  # deny -> ... -> deny
+    marked = dict.fromkeys(ends)
+    marked.update(_reach(ends, pred, lambda m: m in reach))
+    for m in marked:
+        src = next((p for p in pred[m] if p in deny or p in marked), None)
+        info[m].reason = SPREAD.format(src.name if src is not None else "?")
+        deny[m] = None
 
     # 3. between allow nodes. Embedding lookups (Gather from a float initializer)
     #    count as fp16 work: the table is stored FP16 and gathering is exact.
     def embedding(n):
         owner = g.owner_of(n.inputs[0]) if n.op_type == "Gather" else None
         return owner is not None and n.inputs[0] in owner.initializers
-    allow = {id(n): n for n in nodes if kind(n) == "allow" or (kind(n) == "clear" and embedding(n))}
-    down = _reach(allow.values(), succ, free)
-    up = _reach(allow.values(), pred, free)
-    allow.update({k: v for k, v in down.items() if k in up})
+    allow = dict.fromkeys(n for n in nodes if kind(n) == "allow" or (kind(n) == "clear" and embedding(n)))
+    down = _reach(allow, succ, free)
+    up = _reach(allow, pred, free)
+    allow.update(dict.fromkeys(m for m in down if m in up))
     # 4. follow nodes after allow (through clear nodes), widest wins: only when every
     #    float input that is not a constant already comes from fp16 work
     fp32_in = _fp32_sources(ctx, g)
@@ -150,20 +152,20 @@ def paint_graph(ctx, g):
     while changed:
         changed = False
         for n in nodes:
-            if id(n) in allow or kind(n) not in ("infer", "clear"):
+            if n in allow or kind(n) not in ("infer", "clear"):
                 continue
-            ps = pred[id(n)]
-            if ps and id(n) not in fp32_in and all(id(p) in allow for p in ps):
-                allow[id(n)] = n
+            ps = pred[n]
+            if ps and n not in fp32_in and all(p in allow for p in ps):
+                allow[n] = None
                 changed = True
     # 5. clear nodes connected to allow through clear nodes
     is_clear = lambda m: kind(m) == "clear"  # noqa: E731
     both = {k: succ[k] + pred[k] for k in succ}
-    allow.update(_reach(list(allow.values()), both, is_clear))
+    allow.update(_reach(list(allow), both, is_clear))
     ctx.lowered.update(allow)
     for n in nodes:  # a norm node not between low-precision work is an FP32 island, as its class says
-        if kind(n) == "norm" and id(n) not in allow:
-            info[id(n)].cls, info[id(n)].reason = "fp32", NORM_KEPT.format(n.op_type)
+        if kind(n) == "norm" and n not in allow:
+            info[n].cls, info[n].reason = "fp32", NORM_KEPT.format(n.op_type)
 
 
 def paint(ctx):

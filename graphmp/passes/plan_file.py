@@ -70,7 +70,7 @@ class Key:
 @dataclass
 class State:
     """What run leaves for verify and save (ctx.plan)."""
-    keys: dict                                  # id(node) -> (node, Key)
+    keys: dict                                  # node (graphmp.ir.Node) -> Key
     structure: str                              # sha256 of the graph structure
     budget: object = None                       # graphmp.budget.Budget verify measures against
     batches: list = field(default_factory=list)
@@ -96,18 +96,18 @@ def _canonical(g) -> list:
         return iter([prod[x] for x in reads if x in prod and prod[x] is not n])
     order, done = [], set()
     for start in [prod[o] for o in g.output_names if o in prod] + list(g.nodes):
-        if id(start) in done:
+        if start in done:
             continue
-        done.add(id(start))
+        done.add(start)
         stack = [(start, preds(start))]
         while stack:
             n, it = stack[-1]
-            p = next((p for p in it if id(p) not in done), None)
+            p = next((p for p in it if p not in done), None)
             if p is None:
                 stack.pop()
                 order.append(n)
             else:
-                done.add(id(p))
+                done.add(p)
                 stack.append((p, preds(p)))
     return order
 
@@ -123,8 +123,8 @@ def _attr_token(a) -> str:
 def _structure(g, order: list) -> str:
     """g's structure as text: per node (canonical order) its op and where each input comes
     from by position; the outputs; no names, no weight values."""
-    pos = {id(n): i for i, n in enumerate(order)}
-    slot = {o: (pos[id(n)], k) for n in order for k, o in enumerate(n.outputs) if o}
+    pos = {n: i for i, n in enumerate(order)}
+    slot = {o: (pos[n], k) for n in order for k, o in enumerate(n.outputs) if o}
     ins = {v.name: i for i, v in enumerate(g.proto.input)}
 
     def ref(x):
@@ -145,19 +145,19 @@ def _structure(g, order: list) -> str:
 
 
 def node_keys(ctx) -> tuple[dict, str]:
-    """({id(node): (node, Key)} for every node of every graph, sha256 of the structure)."""
+    """({node: Key} for every node of every graph, sha256 of the structure)."""
     keys, scopes, texts = {}, {}, {}
     for g in ctx.root.walk():  # parents first
         if g.parent is None:
             scope = g.key
         else:
             attr = g.key[len(f"{g.parent.key}/{g.owner.name}."):]
-            scope = f"{scopes[g.parent.key]}/{g.owner.op_type}#{keys[id(g.owner)][1].index}.{attr}"
+            scope = f"{scopes[g.parent.key]}/{g.owner.op_type}#{keys[g.owner].index}.{attr}"
         scopes[g.key] = scope
         order = _canonical(g)
         count = collections.Counter()
         for n in order:
-            keys[id(n)] = (n, Key(g.key, scope, n.op_type, count[n.op_type], n.name))
+            keys[n] = Key(g.key, scope, n.op_type, count[n.op_type], n.name)
             count[n.op_type] += 1
         texts[scope] = _structure(g, order)
     h = hashlib.sha256()
@@ -183,21 +183,21 @@ def binding(info) -> str | None:
 
 # --------------------------------------------------------------------------- run: apply a plan
 def _match(ctx, keys: dict, nodes: list) -> tuple[dict, int]:
-    """({id(node): entry index}, how many matched by position) over the decided nodes."""
+    """({node: entry index}, how many matched by position) over the decided nodes."""
     by_name = {(e["graph"], e["name"]): i for i, e in enumerate(nodes)}
     by_place = {(e["scope"], e["op_type"], e["index"]): i for i, e in enumerate(nodes)}
-    candidates = [(n, k) for n, k in keys.values() if decided(ctx.info.get(id(n)))]
+    candidates = [(n, k) for n, k in keys.items() if decided(ctx.info.get(n))]
     match, used = {}, set()
     for n, k in candidates:
         i = by_name.get((k.graph, k.name))
         if i is not None and nodes[i]["op_type"] == k.op_type:
-            match[id(n)] = i
+            match[n] = i
             used.add(i)
     by_position = 0
     for n, k in candidates:
-        i = by_place.get((k.scope, k.op_type, k.index)) if id(n) not in match else None
+        i = by_place.get((k.scope, k.op_type, k.index)) if n not in match else None
         if i is not None and i not in used:
-            match[id(n)] = i
+            match[n] = i
             used.add(i)
             by_position += 1
     return match, by_position
@@ -206,20 +206,20 @@ def _match(ctx, keys: dict, nodes: list) -> tuple[dict, int]:
 def _set(ctx, n, e, forced, label) -> str | None:
     """Put node n in the precision of entry e. Returns 'changed', None (already so), or
     'overruled: WHY' when a binding rule or a flag of this run keeps it."""
-    info = ctx.info[id(n)]
-    want_low, is_low = e["precision"] == "low", id(n) in ctx.lowered
+    info = ctx.info[n]
+    want_low, is_low = e["precision"] == "low", n in ctx.lowered
     if want_low == is_low:
         return None
     if not want_low:
         if forced is not None and forced.search(n.name):
             return "overruled: --fp16-nodes"
-        ctx.lowered.discard(id(n))
+        ctx.lowered.discard(n)
         info.reason = f"plan: FP32 in {label} ({(e.get('reason') or 'no reason saved')[:200]})"
         return "changed"
     why = binding(info)
     if why is not None:
         return f"overruled: {why}"
-    ctx.lowered.add(id(n))
+    ctx.lowered.add(n)
     info.reason = None
     return "changed"
 
@@ -230,17 +230,17 @@ def _apply(ctx, plan: Plan, keys: dict) -> dict:
     match, by_position = _match(ctx, keys, nodes)
     forced = re.compile(ctx.options.fp16_nodes) if ctx.options.fp16_nodes else None
     changed, overruled = 0, []
-    for n, k in keys.values():
-        if id(n) not in match:
+    for n, k in keys.items():
+        if n not in match:
             continue
-        e = nodes[match[id(n)]]
+        e = nodes[match[n]]
         what = _set(ctx, n, e, forced, label)
         changed += what == "changed"
         if what and what.startswith("overruled"):
             overruled.append({"name": n.name, "op_type": n.op_type, "graph": k.graph, "plan": e["precision"],
-                              "kept": "low" if id(n) in ctx.lowered else "fp32", "why": what[len("overruled: "):]})
+                              "kept": "low" if n in ctx.lowered else "fp32", "why": what[len("overruled: "):]})
     used = set(match.values())
-    unmatched_nodes = [k.name for n, k in keys.values() if decided(ctx.info.get(id(n))) and id(n) not in match]
+    unmatched_nodes = [k.name for n, k in keys.items() if decided(ctx.info.get(n)) and n not in match]
     unmatched_entries = [e["name"] for i, e in enumerate(nodes) if i not in used]
     return {"file": plan.path, "source": plan.data.get("source"), "matched": len(match),
             "matched_by_position": by_position, "changed": changed, "overruled": overruled,
@@ -366,11 +366,11 @@ def _measurements(ctx) -> tuple:
 def plan_data(ctx) -> dict:
     """The plan file's JSON for the decisions in ctx (after run and, for the errors, verify)."""
     nodes = []
-    for n, k in ctx.plan.keys.values():
-        info = ctx.info.get(id(n))
+    for n, k in ctx.plan.keys.items():
+        info = ctx.info.get(n)
         if not decided(info):
             continue
-        low = id(n) in ctx.lowered
+        low = n in ctx.lowered
         reason = None if low else (info.reason or "stays in its FP32 region (an FP32 operand, or no fp16 neighbour)")
         reason = reason if reason is None else reason[:MAX_TEXT]
         nodes.append({"graph": k.graph, "scope": k.scope, "op_type": k.op_type, "index": k.index, "name": k.name,

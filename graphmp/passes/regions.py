@@ -116,9 +116,9 @@ def regions(ctx, costs: dict) -> list[Region]:
         _, pred = float_edges(ctx, g)
         region_of: dict = {}
         for n in g.nodes:
-            if id(n) not in ctx.lowered or (forced and forced.search(n.name)):
+            if n not in ctx.lowered or (forced and forced.search(n.name)):
                 continue
-            up = [region_of[id(p)] for p in pred[id(n)] if id(p) in region_of]
+            up = [region_of[p] for p in pred[n] if p in region_of]
             if ops.op_class(n.op_type, n.domain) == "fp16" or not up:
                 r = Region(graph=g.key)
                 out.append(r)
@@ -127,7 +127,7 @@ def regions(ctx, costs: dict) -> list[Region]:
             r.nodes.append(n)
             r.cost += costs.get(n.name, 0.0)
             r.weight_bytes += _weight_bytes(ctx, g, n)
-            region_of[id(n)] = r
+            region_of[n] = r
     _fill_unknown_costs(out)
     while len(out) > MAX_REGIONS:  # merge the cheapest pair of neighbours in one graph
         pairs = [(out[i].cost + out[i + 1].cost, i) for i in range(len(out) - 1) if out[i].graph == out[i + 1].graph]

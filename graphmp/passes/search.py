@@ -322,8 +322,8 @@ def _run_fp32(ctx, batches: list) -> list:
 def _given_back(ctx) -> list:
     """The nodes the static range rule would have kept FP32 that the measured error lets
     run in FP16 (classify's range candidates still lowered), with that rule's reason."""
-    out = [{"node": n.name, "graph": g.key, "range_rule": ctx.range_candidates[id(n)]}
-           for g, n in ctx.nodes() if id(n) in ctx.range_candidates and id(n) in ctx.lowered]
+    out = [{"node": n.name, "graph": g.key, "range_rule": ctx.range_candidates[n]}
+           for g, n in ctx.nodes() if n in ctx.range_candidates and n in ctx.lowered]
     if out:
         ctx.log(f"search: {len(out)} node(s) the range rule keeps FP32 run in FP16 within the budget "
                 f"(e.g. {out[0]['node']}: {out[0]['range_rule']})")
@@ -335,7 +335,7 @@ def _model_compute_fp16(ctx, costs: dict) -> float | None:
     now; None when shape inference gave no FLOPs for them (not a false 0)."""
     compute = [(n, costs.get(n.name, 0.0)) for _, n in ctx.nodes() if _is_compute(n)]
     total = sum(c for _, c in compute)
-    return sum(c for n, c in compute if id(n) in ctx.lowered) / total if total else None
+    return sum(c for n, c in compute if n in ctx.lowered) / total if total else None
 
 
 def _apply_plan(ctx, s: _Search, fp32: frozenset):
@@ -354,13 +354,13 @@ def _apply_plan(ctx, s: _Search, fp32: frozenset):
         kept_cost += cost
         what = "region" if parts == [0, 1] else "followers of" if parts == [1] else "compute nodes of"
         for n in nodes:
-            ctx.lowered.discard(id(n))
-            info = ctx.info[id(n)]
+            ctx.lowered.discard(n)
+            info = ctx.info[n]
             info.cls = "fp32"
             info.reason = (f"search: kept FP32 to meet --max-error ({what} {r.anchor.name}: the region alone in "
                            f"FP16 gives {r.error_alone:.3g} x the budget; {100 * cost / total_cost:.2f}% of the "
                            "converted compute)"
-                           + (f"; {ctx.range_candidates[id(n)]}" if id(n) in ctx.range_candidates else ""))
+                           + (f"; {ctx.range_candidates[n]}" if n in ctx.range_candidates else ""))
         moved.append({"anchor": r.anchor.name, "kept_fp32": what, "nodes": [n.name for n in nodes], "graph": r.graph,
                       "error_alone": r.error_alone, "compute_share": cost / total_cost,
                       "weight_share": weights / total_weights})

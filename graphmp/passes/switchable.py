@@ -32,11 +32,11 @@ class Switchable:
         self.names = Names(model)
         self.flags = [self.names.fresh(f"graphmp_search_unit_{u}") for u in range(2 * len(regs))]
         self.low, self.base_dir = ctx.low, ctx.base_dir
-        self.where = {n.name: (None, ctx.info[id(n)]) for _, n in ctx.nodes() if id(n) in ctx.lowered}
+        self.where = {n.name: (None, ctx.info[n]) for _, n in ctx.nodes() if n in ctx.lowered}
         for k, r in enumerate(regs):
             for part, nodes in enumerate(r.parts()):
                 for n in nodes:
-                    self.where[n.name] = (2 * k + part, ctx.info[id(n)])
+                    self.where[n.name] = (2 * k + part, ctx.info[n])
         self.main = model.graph
         self.weights = {t.name: t for t in model.graph.initializer}
         self.rounded_weights: dict = {}

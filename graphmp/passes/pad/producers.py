@@ -1,7 +1,7 @@
-"""pad_producers: pad activations at producers where padding costs nothing (used by pad_channels).
+"""pad.producers: pad activations at producers where padding costs nothing (used by channels.py).
 
 A GEMM's K (or a Conv's input channels) can only be padded when the activation feeding
-it arrives padded. Conv/Gemm/MatMul outputs are padded by pad_channels itself; this mixin
+it arrives padded. Conv/Gemm/MatMul outputs are padded by channels.py itself; this mixin
 adds the producers whose padded columns come for free, because the producer writes its
 whole output anyway:
 - OneHot: `depth` raised to the multiple. The new columns hold off_value (finite) and
@@ -35,7 +35,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 class ProducerPads:
-    """Mixin for pad_channels.Padder (uses its attr/const_value/repad/pad_output/leave)."""
+    """Mixin for channels.Padder (uses its attr/const_value/repad/pad_output/leave)."""
 
     # ---- is padding here free? -----------------------------------------------------
     def feeds_weight_layers(self, name: str, axis: int, depth: int = 0) -> bool:

@@ -1,4 +1,4 @@
-"""pad_channels: pad Conv channels and GEMM dimensions to a multiple of N with zero weights.
+"""pad.channels: pad Conv channels and GEMM dimensions to a multiple of N with zero weights.
 
 What it guarantees (the model computes the same function, outputs bit-for-bit shaped
 as before):
@@ -7,7 +7,7 @@ as before):
   and bias). Their output is then "padded": a tensor with extra channels on one axis.
   So are producers that write their whole output anyway, where that reaches a weight
   layer's K: OneHot depth, embedding-table columns, a Concat's constant input
-  (pad_producers.py, which also explains each K left unaligned).
+  (producers.py, which also explains each K left unaligned).
   A padded tensor is described by a Layout: its new name, the axis, its size and where
   the real channels sit (they need not be a prefix after a Concat or a Flatten).
 - Padded channels flow through ops known to act per channel (elementwise, normalisation
@@ -26,8 +26,8 @@ as before):
 Works on FP32 and on converted mixed-precision graphs (weights keep their dtype).
 Only the main graph is padded; subgraphs read the original names.
 
-The work is split by job: pad_layout (Layout, arithmetic, FLOPs), pad_weights (the
-Conv/ConvTranspose/Gemm/MatMul handlers), pad_flow (per-channel ops), pad_producers
+The work is split by job: layout.py (Layout, arithmetic, FLOPs), weights.py (the
+Conv/ConvTranspose/Gemm/MatMul handlers), flow.py (per-channel ops), producers.py
 (producers padded for free); this module holds the walk, the rewriting helpers, the
 slicing back and the report.
 """
@@ -37,15 +37,15 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..io import iter_graphs, tensor_array
-from ..ir import Names
-from ..ops import FLOAT_TYPES
-from ..opset import default_opset
-from .pad_flow import BINARY_FILL, POOLS, UNARY, ChannelFlow
-from .pad_layout import Layout, model_flops, round_up, scatter
-from .pad_producers import ProducerPads
-from .pad_weights import WeightPads
-from ..io import skeleton
+from ...io import iter_graphs, tensor_array
+from ...ir import Names
+from ...ops import FLOAT_TYPES
+from ...opset import default_opset
+from .flow import BINARY_FILL, POOLS, UNARY, ChannelFlow
+from .layout import Layout, model_flops, round_up, scatter
+from .producers import ProducerPads
+from .weights import WeightPads
+from ...io import skeleton
 
 __all__ = ["Layout", "Padder", "pad_channels", "round_up", "scatter"]
 

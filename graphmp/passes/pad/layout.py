@@ -1,4 +1,4 @@
-"""pad_layout: the facts shared by the padding modules (pad_channels and its mixins).
+"""pad.layout: the facts shared by the padding modules (channels.py and its mixins).
 
 - Layout: where a padded tensor's real channels sit (name, axis, padded size, positions).
 - round_up, scatter: the arithmetic of padding a dimension and of placing a constant's

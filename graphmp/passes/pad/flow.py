@@ -1,4 +1,4 @@
-"""pad_flow: the ops padded channels flow through (a mixin for pad_channels.Padder).
+"""pad.flow: the ops padded channels flow through (a mixin for channels.Padder).
 
 Each handler takes a node whose input arrives padded (a Layout) and, where the op is
 known to act per channel on that axis, reads the padded tensor and marks its output
@@ -7,13 +7,13 @@ constant other operand gets its channels scattered, filled with BINARY_FILL so t
 padded channels stay finite), BatchNorm/InstanceNorm (zero scale), pooling, Resize with
 scale 1 on that axis, Pad not touching it, Concat, Transpose, Flatten (static inner
 dims), Squeeze/Unsqueeze. Where a handler returns without doing so, the node keeps
-reading the original tensor, which pad_channels slices back.
+reading the original tensor, which channels.py slices back.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..ops import FLOAT_TYPES
+from ...ops import FLOAT_TYPES
 
 
 UNARY = {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Elu", "Selu", "Celu",
@@ -24,7 +24,7 @@ POOLS = {"MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "LpPool
 
 
 class ChannelFlow:
-    """Mixin for pad_channels.Padder: the handlers of per-channel ops (see the module docstring)."""
+    """Mixin for channels.Padder: the handlers of per-channel ops (see the module docstring)."""
 
     def on_unary(self, idx, n, ins):
         if ins[0] is None or any(o for o in n.output[1:]):

@@ -1,7 +1,7 @@
-"""pad_weights: the weight layers of pad_channels (Conv, ConvTranspose, Gemm, MatMul).
+"""pad.weights: the weight layers of channels.py (Conv, ConvTranspose, Gemm, MatMul).
 
-A mixin for pad_channels.Padder (uses its shapes/inits/attr/const_value/repad/pad_output/
-record/leave and pad_producers' k_source). For each layer it
+A mixin for channels.Padder (uses its shapes/inits/attr/const_value/repad/pad_output/
+record/leave and producers.py's k_source). For each layer it
 - absorbs a padded input: zero weight columns / K rows where the activation arrives
   padded (a depthwise conv follows its input's channels instead);
 - pads a first Conv's 3-channel graph input with one Pad node (the stem);
@@ -15,12 +15,12 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper
 
-from ..io import iter_graphs
-from .pad_layout import flops, round_up, scatter
+from ...io import iter_graphs
+from .layout import flops, round_up, scatter
 
 
 class WeightPads:
-    """Mixin for pad_channels.Padder: the on_Conv/on_ConvTranspose/on_Gemm/on_MatMul handlers."""
+    """Mixin for channels.Padder: the on_Conv/on_ConvTranspose/on_Gemm/on_MatMul handlers."""
 
 
     def _stem_source(self, x) -> bool:
