@@ -5,7 +5,7 @@ input shapes, the FP16 share of Conv/ConvTranspose/MatMul/Gemm/Einsum FLOPs (all
 graphmp.cast_cost.cast_traffic, the same count for every converter's output: Casts are
 counted wherever they are), whether ONNX Runtime loads the output, and the error of every
 output under graphmp's FP16-faithful emulation (graphmp.emulate.emulated_runner) against
-the FP32 source on graphmp.oracle.runner(src, optimize=False): max|a-b| / max|ref| per
+the FP32 source on graphmp.model_runs.runner(src, optimize=False): max|a-b| / max|ref| per
 output, the worst over the batches. Fewer Casts are never bought with accuracy unseen.
 
 Converters:
@@ -75,7 +75,7 @@ def _child(tool: str, src: str, dst: str, batches: list) -> dict:
 
 # --------------------------------------------------------------------------- parent side
 def _count_casts(model) -> int:
-    from graphmp.io import iter_graphs
+    from graphmp.model_io import iter_graphs
     return sum(n.op_type == "Cast" for g in iter_graphs(model.graph) for n in g.node)
 
 
@@ -103,7 +103,7 @@ def measure(dst: str, src_model, batches: list, refs: list) -> dict:
     import onnx
     from graphmp.cast_cost import cast_traffic
     from graphmp.emulate import emulated_runner
-    from graphmp.oracle import ort_session
+    from graphmp.model_runs import ort_session
     row: dict = {}
     m = onnx.load(dst, load_external_data=False)
     try:
@@ -144,7 +144,7 @@ def bench_model(path: str, args, work: Path, log) -> dict:
     import numpy as np
     import onnx
     from graphmp.inputs import find_shapes
-    from graphmp.oracle import runner
+    from graphmp.model_runs import runner
     name = Path(path).stem
     out: dict = {"model": name, "path": path, "rows": {}}
     mdir = work / name

@@ -69,9 +69,9 @@ def _oracle_funcs():
     equivalent local code. make_inputs(model, seed, batch, shapes, path)."""
     try:
         _import_graphmp()
-        from graphmp.oracle import run_ort, run_reference
+        from graphmp.model_runs import run_ort, run_reference
 
-        return _graphmp_make_inputs, run_reference, run_ort, "graphmp.oracle"
+        return _graphmp_make_inputs, run_reference, run_ort, "graphmp.model_runs"
     except Exception:  # noqa: BLE001
         return _local_make_inputs, _local_run_reference, _local_run_ort, "local"
 
@@ -87,7 +87,7 @@ def _load(model_or_path, external=True):
 def _graphmp_make_inputs(model, seed=0, batch=1, shapes=None, path=None):
     """graphmp's input mechanism: --shapes, else shapes found by a trial run."""
     from graphmp.inputs import find_shapes
-    from graphmp.oracle import runner
+    from graphmp.model_runs import runner
 
     plan = find_shapes(model, runner(path or model), shapes)
     return plan.feeds(seed, batch=batch if plan.batch_free and batch != 1 else None)

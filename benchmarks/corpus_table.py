@@ -30,7 +30,7 @@ def one(path: str) -> dict:
     import graphmp
     from graphmp.check import check
     from graphmp.inputs import find_shapes
-    from graphmp.oracle import runner
+    from graphmp.model_runs import runner
     row = {"model": os.path.relpath(path, ROOT)}
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "out.onnx")

@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import graphmp  # noqa: E402
-from graphmp.oracle import ort_session, run_ort, run_reference  # noqa: E402
+from graphmp.model_runs import ort_session, run_ort, run_reference  # noqa: E402
 from graphmp.passes.fuse import fused_counts  # noqa: E402
 
 MS = "com.microsoft"

@@ -5,7 +5,7 @@ For each model and its input batches: graphmp converts it (the static plan, and 
 plan of `--max-error 1e-2` when --budget is given), then graphmp.check judges the
 converted model against the FP32 source on the same batches, once per oracle:
   emulation   FP16 storage, FP32 math on ONNX Runtime CPU (graphmp/emulate.py)
-  reference   onnx.reference with graphmp's ideal-kernel overrides (graphmp/oracle.py)
+  reference   onnx.reference with graphmp's ideal-kernel overrides (graphmp/model_runs.py)
   ORT CUDA    the converted model as it is on ONNX Runtime's CUDA provider (only where
               onnxruntime-gpu and a GPU are present: check adds these rows itself)
 The table gives max|a-b|/max|ref| per output for each; the closer an oracle is to ORT
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from graphmp import convert  # noqa: E402
 from graphmp.check import EMULATION, check  # noqa: E402
-from graphmp.oracle import cuda_available  # noqa: E402
+from graphmp.model_runs import cuda_available  # noqa: E402
 
 CUDA = " [ORT CUDA]"
 

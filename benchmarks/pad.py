@@ -196,7 +196,7 @@ def main(argv=None):
     ap.add_argument("--min-time", type=float, default=1.0)
     ap.add_argument("--json", default=os.path.join(HERE, "results", "pad.json"))
     args = ap.parse_args(argv)
-    from graphmp.oracle import cuda_available
+    from graphmp.model_runs import cuda_available
     backend = args.backends or ("trt,ort-cuda" if cuda_available() else "ort-cpu")
     batches = [int(b) for b in args.batch.split(",")]
     result = {"command": result_command(), "multiple": args.multiple, "backends": backend, "models": {}}

@@ -38,7 +38,7 @@ Per row, every step in a fresh subprocess (a crash, hang or timeout is the row's
   validity   onnx.checker full_check; ONNX Runtime CPU loads it
   error      max |a - b| / max |ref| per output (graphmp.budget.errors, metric max-rel),
              a = graphmp.emulate.emulated_runner(converted) (FP16 storage, FP32 math, what
-             Tensor Cores compute), ref = graphmp.oracle.runner(FP32 source, optimize=False)
+             Tensor Cores compute), ref = graphmp.model_runs.runner(FP32 source, optimize=False)
              (unoptimised, as graphmp's search references are), worst over the calibration
              batches and, separately, over the held-out batches; inf = a new inf/NaN.
              Also the same on the calibration batches with the converted model run as is on
@@ -567,7 +567,7 @@ def _measured_shapes(model, feeds: dict, names: list, types: dict) -> dict:
     computed shape)."""
     import onnx
     from onnx import helper
-    from graphmp.oracle import runner
+    from graphmp.model_runs import runner
     m = onnx.ModelProto()
     m.CopyFrom(model)
     known = {o.name for o in m.graph.output}
@@ -583,7 +583,7 @@ def structure(path: str, feeds: dict) -> dict:
     graph are measured by one ONNX Runtime run on `feeds`."""
     import onnx
     from onnx import TensorProto
-    from graphmp.io import iter_graphs, tensor_nbytes
+    from graphmp.model_io import iter_graphs, tensor_nbytes
 
     model = onnx.load(path)
     fixed = onnx.ModelProto()
@@ -642,7 +642,7 @@ def worker_reference(src, cal, held, out_dir):
     """FP32 outputs of the source on every batch (ref_cal<i>.npz, ref_held<i>.npz) and
     its structure."""
     import numpy as np
-    from graphmp.oracle import runner
+    from graphmp.model_runs import runner
     res = {"ok": False}
     try:
         run = runner(src, optimize=False)
@@ -718,7 +718,7 @@ def worker_evaluate(path, src, cal, held, ref_dir):
     import onnx
     from graphmp.budget import errors
     from graphmp.emulate import emulated_runner
-    from graphmp.oracle import runner
+    from graphmp.model_runs import runner
     res = {"checker": {"ok": False, "error": None}, "ort_load": {"ok": False, "error": None},
            "errors": {"error": None}}
     try:
@@ -1027,7 +1027,7 @@ def main(argv=None):
         "load": {"start": list(load_start), "end": list(os.getloadavg())},
         "settings": {"tools": args.tools, "metric": METRIC, "occ_timeout_s": args.occ_timeout,
                      "convert_timeout_s": args.convert_timeout, "graphmp_root": args.graphmp_root,
-                     "reference": "graphmp.oracle.runner(FP32 source, optimize=False), ONNX Runtime CPU",
+                     "reference": "graphmp.model_runs.runner(FP32 source, optimize=False), ONNX Runtime CPU",
                      "emulation": "graphmp.emulate.emulated_runner(converted): FP16 storage, FP32 math"},
         "models": infos,
     }

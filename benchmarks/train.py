@@ -502,7 +502,7 @@ def main(argv=None):
             raise SystemExit(f"{type(e).__name__}: {e}") from None
         return 0
 
-    from graphmp.oracle import cuda_available
+    from graphmp.model_runs import cuda_available
     from graphmp.train.step import build_step
     torch_ok = _has_torch()
     torch_cuda = False

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 
 from .emulate import emulation_model
-from .oracle import runner
+from .model_runs import runner
 
 MAX_ELEMENTS = 200_000_000   # intermediates of both runs together (about 800 MB each in FP32)
 TOP = 3

@@ -34,7 +34,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .errors import GraphmpError
-from .io import attr_graphs, iter_graphs, skeleton
+from .model_io import attr_graphs, iter_graphs, skeleton
 from .ir import Names
 
 METRICS = ("max-rel", "max-abs", "argmax")
@@ -212,7 +212,7 @@ def measure(model, batches: list, refs: list, spec, metric: str = "max-rel",
             base_dir: str | None = None) -> Budget:
     """The budget for `model` (the FP32 source: ModelProto or path) on `batches`, whose
     FP32 outputs are `refs`."""
-    from .oracle import runner
+    from .model_runs import runner
     if metric not in METRICS:
         raise GraphmpError(f"--metric must be one of {', '.join(METRICS)}, not '{metric}'")
     kind, value = parse(spec)

@@ -2,7 +2,7 @@
 its compute runs in the low type (issue 26; convert's report["cast_traffic"]).
 
 Cheap by design: no ONNX Runtime run, only shape inference (data propagation on) of a
-weightless skeleton (graphmp.io.skeleton) with the graph inputs set to the shapes of the
+weightless skeleton (graphmp.model_io.skeleton) with the graph inputs set to the shapes of the
 first calibration batch, or the declared shapes when there is none. As in
 graphmp.passes.regions.node_costs, inside If/Loop/Scan bodies inference often keeps
 only the rank: an unknown dim counts as 1 and the figures are marked approximate. In
@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from .io import CONVERT_MARK, iter_graphs, skeleton
+from .model_io import CONVERT_MARK, iter_graphs, skeleton
 
 COMPUTE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum")
 LOW_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)

@@ -10,7 +10,7 @@
    Runtime CUDA:
    - "emulation" (default): graphmp.emulate, FP16 storage with FP32 math on ONNX
      Runtime (what Tensor Cores do; the same measure --max-error uses), fast at any size;
-   - "reference": onnx.reference with graphmp's ideal-kernel overrides (graphmp.oracle):
+   - "reference": onnx.reference with graphmp's ideal-kernel overrides (graphmp.model_runs):
      each FP16 op computed in float64 from its FP16 inputs and rounded once, as an ideal
      kernel stores it; slow on large activations. It is trusted only where it reproduces ONNX
      Runtime on the FP32 source; where it does not, or cannot run, the emulation judges
@@ -33,8 +33,8 @@ from .errors import GraphmpError, first_line
 from .budget import DEFAULT, as_tensor, measure, output_error, parse
 from .emulate import emulated_runner
 from .inputs import find_shapes, input_specs, user_batches
-from .io import load_model
-from .oracle import cuda_available, run_reference, runner
+from .model_io import load_model
+from .model_runs import cuda_available, run_reference, runner
 from .session import CUDA, ran_on
 
 ORACLES = ("emulation", "reference")

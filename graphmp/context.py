@@ -10,7 +10,7 @@ from onnx import TensorProto
 
 from .errors import GraphmpError
 from .ir import Graph, Names
-from .ops import LOW_TYPES, NORM_IO, PAD_MULTIPLES
+from .policy import LOW_TYPES, NORM_IO, PAD_MULTIPLES
 
 
 @dataclass
@@ -24,7 +24,7 @@ class Options:
     calibration: object = None          # None/"auto", "off", path(s) or list of feed dicts
     shapes: object = None               # --shapes for generated calibration/validation inputs
     range_threshold: float | None = None  # None: auto (classify.RANGE_NEAR_NORM / RANGE_HEADROOM)
-    norm_io: str = "softmax"            # --norm-io: which FP32-class ops between FP16 work read/write FP16 (ops.NORM_IO)
+    norm_io: str = "softmax"            # --norm-io: which FP32-class ops between FP16 work read/write FP16 (policy.NORM_IO)
     external_data: bool | None = None
     pad_channels: int | None = None
     max_error: object = None            # --max-error: a number, "tf32" or "floor[:K]"
@@ -75,7 +75,7 @@ class Options:
                 except re.error as e:
                     raise GraphmpError(f"{flag} '{rx}' is not a valid regular expression ({e})") from None
         if o.fuse is not None or o.model_type is not None:
-            from .ops import check_fuse_options
+            from .policy import check_fuse_options
             check_fuse_options(o.fuse, o.model_type)
         if o.shapes is not None:
             from .inputs import parse_shapes

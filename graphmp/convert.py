@@ -20,7 +20,7 @@ from .budget import DEFAULT
 from .cast_cost import cast_traffic, summary_line as cast_summary_line
 from .context import Ctx, Options
 from .errors import GraphmpError
-from .io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model,
+from .model_io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model,
                  tensor_nbytes)
 from .save import save_model
 from .wire import is_self_reference
@@ -254,7 +254,7 @@ def _check_op_names(ops, model, where, fused=False):
 
     from onnx import defs
 
-    from .ops import MS_OP_CLASS
+    from .policy import MS_OP_CLASS
     known = {n.op_type for g in iter_graphs(model.graph) for n in g.node} | {s.name for s in defs.get_all_schemas()}
     known |= set(MS_OP_CLASS) if fused else set()
     for op in ops:

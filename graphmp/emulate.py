@@ -21,7 +21,7 @@ larger than that: an FP32 sum that cancels (Gemm/Conv outputs near 0) and ONNX R
 FP32 approximations of Sigmoid and Gelu near 0 (2 ulps of values below 2e-4); its RMS
 error is within 1% of the ideal's. An op with FP32 outputs computes in FP32 as in the
 source.
-graphmp.oracle.run_reference (`--oracle reference`) computes each op as the ideal kernel
+graphmp.model_runs.run_reference (`--oracle reference`) computes each op as the ideal kernel
 itself (float64 math, one rounding: graphmp.reference_ops). tests/test_oracles.py holds
 both to the ideal kernel op by op, and the two against each other on the committed
 models (those onnx.reference runs in seconds).
@@ -34,9 +34,9 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .io import CONVERT_MARK, attr_graphs, iter_graphs, load_model, tensor_array
+from .model_io import CONVERT_MARK, attr_graphs, iter_graphs, load_model, tensor_array
 from .ir import Names
-from .kernels import from_bf16_bits
+from .weight_rounding import from_bf16_bits
 
 LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 FLOAT = TensorProto.FLOAT
@@ -175,7 +175,7 @@ def emulation_model(model: onnx.ModelProto, base_dir: str | None = None) -> onnx
 def emulated_runner(model, base_dir: str | None = None):
     """feeds -> {output: array} for the emulation of `model` (a path or ModelProto) on ONNX
     Runtime CPU; FP16 feeds are passed as FP32 (their values are exact in FP32)."""
-    from .oracle import runner
+    from .model_runs import runner
     if not isinstance(model, onnx.ModelProto):
         import os
         base_dir = os.path.dirname(os.path.abspath(os.fspath(model)))

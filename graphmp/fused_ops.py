@@ -1,5 +1,5 @@
 """onnx.reference implementations of ONNX Runtime's fused com.microsoft ops, for
-graphmp's FP16-faithful oracle (graphmp.oracle.run_reference) on `--fuse ort` models.
+graphmp's FP16-faithful oracle (graphmp.model_runs.run_reference) on `--fuse ort` models.
 
 Semantics are those of ORT's CUDA kernels, which the oracle stands for: inputs are read
 in their declared type (FP16 when lowered), the math (sums, layer-norm statistics,

@@ -38,8 +38,8 @@ import onnx
 from onnx import TensorProto
 
 from .errors import GraphmpError, first_line
-from .io import load_npz
-from .ops import FLOAT_TYPES
+from .model_io import load_npz
+from .policy import FLOAT_TYPES
 
 INT_ELEMS = (TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8,
              TensorProto.UINT64, TensorProto.UINT32, TensorProto.UINT16, TensorProto.UINT8)

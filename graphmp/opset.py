@@ -14,7 +14,7 @@ import onnx
 from onnx import defs, helper, numpy_helper, version_converter
 
 from .errors import GraphmpError
-from .io import attr_graphs, iter_graphs
+from .model_io import attr_graphs, iter_graphs
 
 # ops whose legacy (opset < 7) form broadcast B against A from `axis` when broadcast=1
 _LEGACY_BROADCAST = {"Add", "Sub", "Mul", "Div", "Pow", "And", "Or", "Xor", "Equal", "Greater", "Less"}

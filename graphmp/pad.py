@@ -21,10 +21,10 @@ import onnx
 
 from .version import __version__
 from .errors import GraphmpError
-from .io import is_external, iter_graphs, load_model, materialize, model_weight_bytes, open_model
+from .model_io import is_external, iter_graphs, load_model, materialize, model_weight_bytes, open_model
 from .save import save_model
 from .ir import Names, name_nodes
-from .ops import PAD_MULTIPLES as MULTIPLES
+from .policy import PAD_MULTIPLES as MULTIPLES
 from .passes import PassResult, Step, run_steps
 from .passes.pad import pad_channels
 from .passes.prepare import constants_to_initializers, initializers_out_of_inputs
@@ -278,7 +278,7 @@ def validate_padding(ref, padded, shapes=None, seed: int = 0) -> dict:
     padded model on the same inputs (batch 2 where the model allows it)."""
     from .check import validity
     from .inputs import find_shapes
-    from .oracle import runner
+    from .model_runs import runner
     valid = validity(padded, ref)
     if not valid["valid"]:
         return {"validity": valid, "outputs": {}, "shapes_unchanged": False, "max_abs": float("inf"), "inputs": None}

@@ -5,7 +5,7 @@ Reading (a model's external data, the only place a model names a file):
   location is a relative path that stays inside the model's folder once every symlink
   is resolved, names a regular file with one hard link (as onnx asks), and the offset
   and length are non-negative integers within it; anything else is a GraphmpError
-  naming the tensor and the location. `graphmp.io.tensor_array` reads through it, so every command does; the
+  naming the tensor and the location. `graphmp.model_io.tensor_array` reads through it, so every command does; the
   loader checks every external tensor (subgraphs and Constant attributes too) with it
   before any work starts.
 

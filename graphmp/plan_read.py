@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .budget import METRICS, parse
 from .errors import GraphmpError
-from .ops import LOW_TYPES
+from .policy import LOW_TYPES
 
 SCHEMA, VERSION = "graphmp.plan", 1
 MAX_BYTES = 64 << 20          # a plan of ~300k nodes; a bigger file is no plan graphmp wrote

@@ -1,4 +1,4 @@
-"""onnx.reference op overrides for graphmp's oracle (graphmp.oracle.run_reference).
+"""onnx.reference op overrides for graphmp's oracle (graphmp.model_runs.run_reference).
 
 Ideal kernels. Plain onnx.reference computes an FP16 (or BF16) op with numpy in that
 dtype, so a decomposed op rounds at every step, and some sums accumulate in FP16:
@@ -14,7 +14,7 @@ onnx.reference has them (an FP32 model is computed as before). Op types not list
 in their declared dtype in numpy: those graphmp may lower to FP16 are exact in any
 precision (data movement, Cast, comparisons, Relu/Clip/Max/Min/Abs/Neg, MaxPool,
 ReduceMax/Min, Where, ...), except Range, whose element count depends on the type it is
-computed in (tests/test_oracles.py holds graphmp.ops's lists to this); the rest are ops
+computed in (tests/test_oracles.py holds graphmp.policy's lists to this); the rest are ops
 outside graphmp's lists (the ML and training domains, sequences, STFT/DFT).
 
 Also the spec where onnx.reference departs from it: BatchNormalization in inference mode

@@ -25,7 +25,7 @@ import onnx
 from onnx import TensorProto
 
 from .errors import GraphmpError
-from .io import (CONVERT_MARK, INLINE_LIMIT, TWO_GB, is_external, iter_graphs, materialize, np_dtype, tensor_array,
+from .model_io import (CONVERT_MARK, INLINE_LIMIT, TWO_GB, is_external, iter_graphs, materialize, np_dtype, tensor_array,
                  tensor_nbytes)
 from .paths import check_target, data_files, is_input, process_stream
 from .wire import read_by_reference, write_streaming

@@ -54,8 +54,8 @@ import numpy as np
 
 from .errors import GraphmpError
 from .inputs import dims_text, parse_shapes
-from .io import load_model, model_inputs
-from .kernels import from_bf16_bits, to_bf16_bits
+from .model_io import load_model, model_inputs
+from .weight_rounding import from_bf16_bits, to_bf16_bits
 from .save import atomic_write
 from .paths import check_target, refuse_clobber
 

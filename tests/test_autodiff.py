@@ -26,7 +26,7 @@ from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
 from graphmp.errors import GraphmpError
-from graphmp.oracle import ort_session, run_reference
+from graphmp.model_runs import ort_session, run_reference
 from graphmp.train.autodiff import add_backward, training_forward
 from graphmp.train.rules import RULES
 

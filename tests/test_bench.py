@@ -25,7 +25,7 @@ from graphmp.bench import run as brun
 from graphmp.bench import runners as brunners
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
-from graphmp.oracle import cuda_available
+from graphmp.model_runs import cuda_available
 from graphmp.inputs import parse_shapes
 from graphmp.progress import Progress
 

@@ -11,7 +11,7 @@ from onnx import numpy_helper as nph
 
 import graphmp
 from graphmp.errors import GraphmpError
-from graphmp.oracle import run_ort, run_reference
+from graphmp.model_runs import run_ort, run_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32 = TP.FLOAT

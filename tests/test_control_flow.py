@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import control_flow_cases as cf  # noqa: E402
 
 import graphmp  # noqa: E402
-from graphmp.oracle import run_reference  # noqa: E402
+from graphmp.model_runs import run_reference  # noqa: E402
 
 
 def _ort(model, feeds):

@@ -64,7 +64,7 @@ def test_real_model_converts_and_matches(path, tmp_path):
         assert d["weight_bytes_after"] <= d["weight_bytes_before"]
     if _name(path) in ORACLE_SLOW:
         from graphmp.inputs import find_shapes
-        from graphmp.oracle import runner
+        from graphmp.model_runs import runner
         run_src, run_out = runner(path), runner(out)
         feeds = find_shapes(src, run_src).feeds()
         a, b = run_src(feeds), run_out(feeds)

@@ -13,7 +13,7 @@ from onnx import numpy_helper as nph
 import graphmp
 from graphmp.emulate import emulated_runner, emulation_model
 from graphmp.inputs import find_shapes
-from graphmp.oracle import run_reference, runner
+from graphmp.model_runs import run_reference, runner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -4,7 +4,7 @@ For every case (models in tests/cases.py) the converted model must
   * pass ``onnx.checker.check_model(full_check=True)`` and, where the case has no
     custom op, ``onnx.shape_inference.infer_shapes(strict_mode=True)``;
   * load and run in ONNX Runtime (CPU);
-  * agree, evaluated FP16-faithfully (``graphmp.oracle.run_reference``), with the FP32
+  * agree, evaluated FP16-faithfully (``graphmp.model_runs.run_reference``), with the FP32
     source run by ONNX Runtime, within the tolerance stated in ``TOL`` (and hold no
     inf/NaN where FP32 has none);
   * keep graph input/output names, dtypes and shapes (keep_io_types=True default);
@@ -62,7 +62,7 @@ def graphmp():
 
 
 def run_reference(model, feeds):
-    from graphmp.oracle import run_reference as rr
+    from graphmp.model_runs import run_reference as rr
     return rr(model, feeds)
 
 
@@ -639,7 +639,7 @@ def test_05_naive_fp16_overflows_so_the_case_is_meaningful():
         oracle = run_reference(naive, feeds)["y"]
     assert not np.isfinite(plain).any(), f"naive FP16 model should overflow, got {plain}"
     assert not np.isfinite(oracle).any(), \
-        f"graphmp.oracle.run_reference must be FP16-faithful and overflow here, got {oracle}"
+        f"graphmp.model_runs.run_reference must be FP16-faithful and overflow here, got {oracle}"
 
 
 def test_05_forced_fp16_overflows():
@@ -827,7 +827,7 @@ def test_08_scaled_large_model_external_off(tmp_path):
 MEM_SCRIPT = textwrap.dedent("""
     import json, sys
     sys.path[:0] = [{root!r}, {here!r}]
-    import numpy as np, onnx, onnxruntime, graphmp, graphmp.oracle, cases
+    import numpy as np, onnx, onnxruntime, graphmp, graphmp.model_runs, cases
     small = cases.case_07_external_data({warm!r})          # warm up every lazy import
     graphmp.convert(small, {warm!r} + "/w.onnx")
     def status(key):
@@ -1134,11 +1134,11 @@ def test_18_imports_cleanly_in_fresh_process():
         warnings.simplefilter("always")
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            import graphmp, graphmp.oracle
+            import graphmp, graphmp.model_runs
             for attr in ("convert", "check", "GraphmpError"):
                 assert hasattr(graphmp, attr), attr
             for attr in ("run_reference", "run_ort", "runner"):
-                assert hasattr(graphmp.oracle, attr), attr
+                assert hasattr(graphmp.model_runs, attr), attr
         own = [f"{{x.filename}}:{{x.lineno}}: {{x.category.__name__}}: {{x.message}}"
                for x in w if "graphmp" in x.filename]
         print("\\n".join(own))
@@ -1181,7 +1181,7 @@ def test_19_calibration_batch_independent_and_dims_dynamic():
 
 def test_19_generated_inputs_batch():
     from graphmp.inputs import find_shapes
-    from graphmp.oracle import runner
+    from graphmp.model_runs import runner
     model, _, _ = cases.case_19_dynamic_batch()
     plan = find_shapes(model, runner(model))
     assert plan.batch_free and plan.batch_dims == (("x", 0),)

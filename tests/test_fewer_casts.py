@@ -146,7 +146,7 @@ def _att_x(seed):
 
 def test_softmax_between_fp16_matmuls_reads_and_writes_fp16_at_the_same_error():
     from graphmp.emulate import emulated_runner
-    from graphmp.oracle import runner
+    from graphmp.model_runs import runner
     m = attention()
     island = graphmp.convert(m, None, norm_io="fp32")
     low = graphmp.convert(m, None)

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper
 
 import graphmp
 from graphmp.fused_ops import FUSED_OPS
-from graphmp.oracle import run_ort, run_reference
+from graphmp.model_runs import run_ort, run_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "models", "tiny")
@@ -107,9 +107,9 @@ def test_fused_reference_rounds_fp16_outputs():
 
 
 def test_every_classified_op_has_a_reference():
-    """The fused ops classify lets run in FP16 (ops.MS_OP_CLASS) are exactly the ops the
+    """The fused ops classify lets run in FP16 (policy.MS_OP_CLASS) are exactly the ops the
     oracle has references for (and each is tested above against ORT CPU)."""
-    from graphmp.ops import MS_OP_CLASS
+    from graphmp.policy import MS_OP_CLASS
     assert set(MS_OP_CLASS) == {c.__name__ for c in FUSED_OPS}
     assert {c.split("-")[0] for c in CASES} == set(MS_OP_CLASS)
 

@@ -69,7 +69,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxruntime as ort
 from graphmp.cli import main
 from graphmp.ir import iter_graphs
-from graphmp.kernels import to_bf16_bits
+from graphmp.weight_rounding import to_bf16_bits
 from graphmp.paths import iter_tensors
 
 # Scale of the suite: examples of the main test (convert --no-calibration); the other

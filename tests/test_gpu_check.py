@@ -184,14 +184,14 @@ def _child_args(run_dir, device):
 
 
 def test_ort_cuda_row_that_ran_on_the_cpu_says_so_or_fails(tiny_run, monkeypatch):
-    import graphmp.oracle
+    import graphmp.model_runs
     from graphmp.errors import GraphmpError
     # this onnxruntime has no CUDA provider: auto runs on the CPU and the row says so
     r = btrain.child_ort(_child_args(tiny_run, "auto"))
     assert r["ran_on"] == "CPUExecutionProvider" and "no CUDA" in r["note"]
     assert np.isfinite(r["loss_first"]) and r["median_ms"] > 0
     # a CUDA provider that is listed but does not load: the session comes up on the CPU
-    monkeypatch.setattr(graphmp.oracle, "cuda_available", lambda: True)
+    monkeypatch.setattr(graphmp.model_runs, "cuda_available", lambda: True)
     r = btrain.child_ort(_child_args(tiny_run, "auto"))
     assert r["ran_on"] == "CPUExecutionProvider" and "came up on CPUExecutionProvider" in r["note"]
     with pytest.raises(GraphmpError, match="--device cuda: the training step session came up on CPUExecutionProvider"):

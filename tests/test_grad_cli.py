@@ -26,7 +26,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from graphmp.cli import main
-from graphmp.oracle import ort_session
+from graphmp.model_runs import ort_session
 
 N = helper.make_node
 F32 = TensorProto.FLOAT

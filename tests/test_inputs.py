@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 
 from graphmp.errors import GraphmpError
 from graphmp.inputs import check_feeds, find_shapes, input_specs, parse_shapes, rebatch, value_hints
-from graphmp.oracle import runner
+from graphmp.model_runs import runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REAL = os.path.join(ROOT, "models", "real")

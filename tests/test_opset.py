@@ -13,7 +13,7 @@ from onnx import numpy_helper as nph
 import graphmp
 from graphmp.errors import GraphmpError
 from graphmp.opset import default_opset, upgrade
-from graphmp.oracle import run_ort, run_reference
+from graphmp.model_runs import run_ort, run_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -26,7 +26,7 @@ from onnx import numpy_helper as nph
 import graphmp
 from graphmp.check import EMULATION, REFERENCE, check
 from graphmp.emulate import emulated_runner
-from graphmp.oracle import run_reference
+from graphmp.model_runs import run_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F16 = np.float16
@@ -194,7 +194,7 @@ def test_reference_is_an_ideal_kernel(name):
 @pytest.mark.parametrize("name", PER_STEP)
 def test_the_measure_flags_per_step_rounding(name):
     """The measure above is not vacuous: plain onnx.reference (each step in FP16 numpy)
-    fails it on these ops."""
+    fails it on these policy."""
     from onnx.reference import ReferenceEvaluator
     m, feeds, exact = op_case(name)
     with np.errstate(all="ignore"):
@@ -300,7 +300,7 @@ def test_reference_is_an_ideal_kernel_in_bf16():
         assert got.dtype == bf16 and np.array_equal(got.astype(np.float64), want.astype(bf16).astype(np.float64))
 
 
-# ops of graphmp.ops's lists the reference leaves to plain onnx.reference: exact in FP16
+# ops of graphmp.policy's lists the reference leaves to plain onnx.reference: exact in FP16
 EXACT = {"Where", "Clip", "Neg", "Abs", "Max", "Min", "Floor", "Ceil", "Round", "Sign", "Equal", "Less", "Greater",
          "LessOrEqual", "GreaterOrEqual", "IsNaN", "IsInf", "Hardmax"}
 NOT_IDEAL = {"Range": "its element count depends on the type it is computed in: runs in its declared type",
@@ -308,15 +308,15 @@ NOT_IDEAL = {"Range": "its element count depends on the type it is computed in: 
 
 
 def test_every_op_graphmp_may_lower_is_ideal_or_exact():
-    """What graphmp.oracle's docstring promises: each op graphmp may run in FP16 is an
+    """What graphmp.model_runs's docstring promises: each op graphmp may run in FP16 is an
     ideal kernel in the reference, exact in FP16 (graphmp's data-movement class, EXACT),
     or explained in NOT_IDEAL."""
-    from graphmp import ops
-    from graphmp.oracle import oracle_ops
+    from graphmp import policy
+    from graphmp.model_runs import oracle_ops
     ideal = {c.__name__ for c in oracle_ops() if c.op_domain == ""} - {"Loop"}
-    lowered = ops.FP16_OPS | ops.FOLLOW_OPS | ops.FP32_OPS
+    lowered = policy.FP16_OPS | policy.FOLLOW_OPS | policy.FP32_OPS
     assert lowered - ideal - EXACT - set(NOT_IDEAL) == set()
-    assert not (ideal | ops.CLEAR_OPS) & EXACT and not ideal & set(NOT_IDEAL)
+    assert not (ideal | policy.CLEAR_OPS) & EXACT and not ideal & set(NOT_IDEAL)
 
 
 # models the cross-test leaves out, and why (seconds measured on 2 CPU cores)
@@ -372,7 +372,7 @@ def test_explained_exceptions_are_models_and_still_hold():
     """Each exception names a committed model, and onnx.reference (with graphmp's ops)
     still refuses the ones said to be beyond it: when it learns them, test them."""
     from onnx.reference import ReferenceEvaluator
-    from graphmp.oracle import oracle_ops
+    from graphmp.model_runs import oracle_ops
     names = {os.path.basename(p): p for p in MODELS}
     assert set(EXPLAINED) <= set(names) and set(CANNOT_RUN) <= set(EXPLAINED)
     for name, op in CANNOT_RUN.items():

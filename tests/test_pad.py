@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 import graphmp
 from graphmp.cli import main
 from graphmp.inputs import find_shapes, generate, input_specs
-from graphmp.oracle import run_ort, run_reference, runner
+from graphmp.model_runs import run_ort, run_reference, runner
 from graphmp.pad import pad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -21,8 +21,8 @@ from graphmp.budget import errors
 from graphmp.cli import main
 from graphmp.emulate import emulated_runner
 from graphmp.errors import GraphmpError
-from graphmp.io import iter_graphs
-from graphmp.oracle import runner
+from graphmp.model_io import iter_graphs
+from graphmp.model_runs import runner
 from graphmp.plan_read import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

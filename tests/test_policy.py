@@ -5,7 +5,7 @@ import pytest
 from onnx import TensorProto as TP, helper as oh, numpy_helper
 
 import graphmp
-from graphmp.oracle import run_ort, run_reference
+from graphmp.model_runs import run_ort, run_reference
 
 
 def _w(seed, shape, scale=0.1):

@@ -16,7 +16,7 @@ from graphmp.budget import errors, parse
 from graphmp.cli import main
 from graphmp.emulate import emulated_runner
 from graphmp.errors import GraphmpError
-from graphmp.oracle import runner
+from graphmp.model_runs import runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "models"))

@@ -12,7 +12,7 @@ from onnx import helper, numpy_helper
 import graphmp
 from graphmp.cli import main
 from graphmp.emulate import emulated_runner
-from graphmp.oracle import cuda_available, runner
+from graphmp.model_runs import cuda_available, runner
 from graphmp.passes.classify import GIVE_BACK_RANGE
 
 

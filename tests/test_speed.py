@@ -12,9 +12,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import graphmp
-from graphmp import kernels
+from graphmp import weight_rounding
 from graphmp.errors import GraphmpError
-from graphmp.io import iter_graphs, load_model, tensor_array
+from graphmp.model_io import iter_graphs, load_model, tensor_array
 from graphmp.passes.apply import convert_noting
 from graphmp.wire import BY_REFERENCE_MIN, is_self_reference, read_by_reference, write_streaming
 
@@ -76,7 +76,7 @@ def test_read_by_reference_keeps_every_value_and_the_graph(tmp_path):
         assert a == b  # nodes (with the If's branch weight and the Constant) untouched
     assert m.metadata_props == src.metadata_props and m.opset_import == src.opset_import
     # ONNX Runtime reads the references itself: same outputs as the inline model
-    from graphmp.oracle import ort_session
+    from graphmp.model_runs import ort_session
     feeds = {"x": np.ones((2, 64), np.float32), "idx": np.array([3, 1999, 0], np.int64)}
     a = ort_session(m, base_dir=str(tmp_path)).run(None, feeds)
     b = ort_session(src).run(None, feeds)
@@ -131,13 +131,13 @@ def _facts_numpy(a):
 @pytest.mark.parametrize("with_nonfinite", [False, True])
 @pytest.mark.parametrize("top", [3, 6])  # 1e3: blocks on ONNX Runtime's fast path; 1e6: some overflow
 def test_fp16_conversion_matches_numpy_bit_for_bit(monkeypatch, with_nonfinite, top):
-    monkeypatch.setattr(kernels, "BLOCK", 1000)  # many blocks, the last with the edge values
+    monkeypatch.setattr(weight_rounding, "BLOCK", 1000)  # many blocks, the last with the edge values
     rng = np.random.default_rng(1)
     a = np.concatenate([rng.standard_normal(3500).astype(np.float32) * 10.0 ** rng.integers(-9, top, 3500),
                         EDGES, np.array([np.nan, np.inf, -np.inf], np.float32) if with_nonfinite else EDGES])
     with np.errstate(over="ignore"):
         want = a.astype(np.float16)
-    got, facts = kernels.to_fp16_noting(a)
+    got, facts = weight_rounding.to_fp16_noting(a)
     assert got.view(np.uint16).tolist() == want.view(np.uint16).tolist()
     with np.errstate(over="ignore", invalid="ignore"):
         ref = _facts_numpy(a)
@@ -147,17 +147,17 @@ def test_fp16_conversion_matches_numpy_bit_for_bit(monkeypatch, with_nonfinite, 
 
 
 def test_weight_range_facts_match_numpy(monkeypatch):
-    monkeypatch.setattr(kernels, "BLOCK", 512)
+    monkeypatch.setattr(weight_rounding, "BLOCK", 512)
     rng = np.random.default_rng(2)
     a = np.concatenate([rng.standard_normal(2000).astype(np.float32) * 1e-7, EDGES,
                         np.array([np.inf, np.nan, -1e5], np.float32)])
     finite = np.abs(a[np.isfinite(a)])
     tiny = 2.0 ** -25
     for fp16 in (False, True):  # with or without the rounding facts, the range facts agree
-        f = kernels.weight_facts(a, tiny, fp16=fp16)
+        f = weight_rounding.weight_facts(a, tiny, fp16=fp16)
         assert (f["max_abs"], f["tiny"]) == (pytest.approx(float(finite.max())),
                                              int(np.count_nonzero((finite > 0) & (finite < tiny))))
-        assert kernels.weight_facts(a[:1000], tiny, fp16=fp16)["max_abs"] == pytest.approx(float(np.abs(a[:1000]).max()))
+        assert weight_rounding.weight_facts(a[:1000], tiny, fp16=fp16)["max_abs"] == pytest.approx(float(np.abs(a[:1000]).max()))
 
 
 def test_conversion_by_reference_equals_conversion_in_memory(tmp_path):
@@ -210,7 +210,7 @@ def test_session_opens_a_converted_model_with_the_options_it_records(tmp_path):
     """convert records prefer_nhwc for models with FP16 convolutions (what ORT CUDA runs
     fastest); graphmp.session applies it on CUDA, opens a CPU session otherwise, and
     device='cuda' without CUDA is a clear error, not a silent CPU session."""
-    from graphmp.oracle import cuda_available
+    from graphmp.model_runs import cuda_available
     from graphmp.session import recorded_options
     conv = os.path.join(os.path.dirname(__file__), "..", "models", "real", "mnist_cntk.onnx")
     out = tmp_path / "mnist.mp.onnx"

@@ -16,7 +16,7 @@ from onnx import TensorProto
 from fixtures import tiny as tm
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
-from graphmp.oracle import cuda_available, run_reference
+from graphmp.model_runs import cuda_available, run_reference
 from graphmp.train.loop import StepRunner, evaluate, export, latest_state, load_run, train
 from graphmp.train.step import CLEAN, NEXT, SCALE, STEP, build_step
 

@@ -326,8 +326,8 @@ def test_run_loss_png_with_matplotlib(run):
 # --- device honesty -----------------------------------------------------------------------------------
 
 def test_device_cuda_without_cuda_fails_in_one_line(run, tmp_path, capsys):
-    import graphmp.oracle as oracle
-    if oracle.cuda_available():
+    import graphmp.model_runs as model_runs
+    if model_runs.cuda_available():
         pytest.skip("this onnxruntime has CUDA")
     np.savez(tmp_path / "train.npz", **tm.blobs(64))
     assert main(["train", run, "--data", str(tmp_path / "train.npz"), "--device", "cuda", "-q"]) == 2
@@ -345,10 +345,10 @@ def test_device_cuda_without_cuda_fails_in_one_line(run, tmp_path, capsys):
 def test_session_that_did_not_get_cuda_is_caught(run, monkeypatch):
     """onnxruntime lists CUDA but the session comes up on the CPU (here: a CPU build told it has
     CUDA; on a GPU machine: CUDA libraries that fail to load). The real session is checked."""
-    import graphmp.oracle as oracle
-    if oracle.cuda_available():
+    import graphmp.model_runs as model_runs
+    if model_runs.cuda_available():
         pytest.skip("this onnxruntime has CUDA")
-    monkeypatch.setattr(oracle, "cuda_available", lambda: True)
+    monkeypatch.setattr(model_runs, "cuda_available", lambda: True)
     d = tm.blobs(64)
     with pytest.warns(UserWarning), pytest.raises(GraphmpError, match=r"--device cuda: the training session "
                                                   r"came up on CPUExecutionProvider"):

@@ -1,4 +1,4 @@
-"""Removed experimental ops (ImageScaler, Crop, Affine) in old exports: graphmp/train/legacy.py
+"""Removed experimental ops (ImageScaler, Crop, Affine) in old exports: graphmp/train/removed_ops.py
 rewrites them into standard ops so train-graph can upgrade the opset (issue 14: the WinML
 style-transfer model stopped at "cannot upgrade opset 7"). Checked against ONNX Runtime's own
 kernels for these ops, and end to end through the CLI."""
@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
-from graphmp.train.legacy import rewrite_experimental
+from graphmp.train.removed_ops import rewrite_experimental
 
 F32 = TensorProto.FLOAT
 

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
-from graphmp.oracle import ort_session
+from graphmp.model_runs import ort_session
 from graphmp.train.autodiff import add_backward
 from graphmp.train.measure import declare_measured, unknown_rank_tensors
 from graphmp.train.step import build_step

@@ -73,7 +73,7 @@ def same_pad_net():
 def test_same_padding_with_dynamic_sizes_builds_at_the_given_shapes(tmp_path, capsys):
     """auto_pad=SAME_* with symbolic H/W: refused without --shapes (naming it), built with them
     for any batch, and the gradient equals finite differences of the loss at another batch."""
-    from graphmp.oracle import ort_session
+    from graphmp.model_runs import ort_session
     from graphmp.train.loop import latest_state
     from graphmp.train.step import build_step
     path = str(tmp_path / "same.onnx")
@@ -115,7 +115,7 @@ def test_same_padding_with_dynamic_sizes_builds_at_the_given_shapes(tmp_path, ca
 def _fd_grads(model, feeds, labels, names, h=0.5):
     """Central differences of mean((y - labels)^2) over each element of the initializers
     `names` (the loss is quadratic in one element, so a large step is exact up to FP32)."""
-    from graphmp.oracle import ort_session
+    from graphmp.model_runs import ort_session
     base = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in model.graph.initializer}
 
     def loss(name, value):
@@ -152,7 +152,7 @@ def test_conv_transpose_with_output_shape_or_auto_pad_matches_finite_differences
     """ConvTranspose's pads follow from output_shape / auto_pad and the (pinned) input sizes,
     as ONNX Runtime computes them; dW and dB of the step graph equal finite differences of the
     loss on the source model run by ONNX Runtime, at a batch other than the pinned one."""
-    from graphmp.oracle import ort_session
+    from graphmp.model_runs import ort_session
     from graphmp.train.loop import latest_state
     from graphmp.train.step import build_step
     r = np.random.default_rng(5)

@@ -23,7 +23,7 @@ from onnx.reference import ReferenceEvaluator
 
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
-from graphmp.oracle import ort_session
+from graphmp.model_runs import ort_session
 from graphmp.train.loop import evaluate, latest_state, load_run
 from graphmp.train.rnn import decompose_recurrent
 from graphmp.train.step import build_step

@@ -22,7 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from graphmp.oracle import run_reference  # noqa: E402
+from graphmp.model_runs import run_reference  # noqa: E402
 from fixtures.torch_models import CNN, Block, export  # noqa: E402
 from graphmp.train.loop import latest_state, load_run  # noqa: E402
 from graphmp.train.step import NEXT, build_step  # noqa: E402

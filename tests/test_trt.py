@@ -184,7 +184,7 @@ def test_bf16_rounding_is_nearest_even():
 
 
 def test_bf16_bits_are_ml_dtypes_with_one_nan():
-    """graphmp.kernels' BF16 conversion is ml_dtypes' rounding, except that every NaN
+    """graphmp.weight_rounding' BF16 conversion is ml_dtypes' rounding, except that every NaN
     (either sign, quiet or signalling, any payload) becomes 0x7FC0, without a warning;
     back to float32 is exact for all 65536 patterns."""
     import warnings

@@ -1,6 +1,6 @@
 """Untrusted models: a malformed graph (undefined or doubly defined tensors, cycles, inline
 tensor data that disagrees with its dims) is one clear error and exit 2 before any work,
-from every command (graphmp.sanity.check_graph, called by graphmp.io.load_model). Valid
+from every command (graphmp.sanity.check_graph, called by graphmp.model_io.load_model). Valid
 models that look unusual (nodes out of order, outer-scope captures, Loop bodies, omitted
 optional inputs "") still convert."""
 import os

@@ -12,7 +12,7 @@ from onnx import TensorProto
 import graphmp
 from graphmp.check import check, validity
 from graphmp.cli import main
-from graphmp.oracle import run_reference
+from graphmp.model_runs import run_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MNIST = os.path.join(ROOT, "models", "real", "mnist_cntk.onnx")
@@ -92,7 +92,7 @@ def test_overflow_fails_check_with_either_oracle(tmp_path):
     import numpy as np
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import cases
-    from graphmp.oracle import runner
+    from graphmp.model_runs import runner
     src = cases.case_05_naive_fp16()
     feeds = cases.default_feeds(src)
     conv = graphmp.convert(src, None, fp16_nodes=".*", calibration="off").model

@@ -24,7 +24,7 @@ import onnx
 
 from ..convert import MARK_KEY, convert
 from ..errors import GraphmpError
-from ..io import model_weight_bytes
+from ..model_io import model_weight_bytes
 from ..save import save_model
 
 ORT_OPT_TYPES = ("bert", "gpt2", "vit", "clip", "bart", "t5", "swin", "unet", "vae", "gpt_neox", "phi")

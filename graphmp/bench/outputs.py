@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from ..errors import GraphmpError
-from ..io import model_inputs
+from ..model_io import model_inputs
 from ..paths import check_target, refuse_clobber
 
 KEPT_SUFFIX = {"fp32": "fp32", "fp16": "mp", "occ": "occ", "ort-opt": "ortopt"}  # work/STEM.SUFFIX.onnx
@@ -31,7 +31,7 @@ def kept_engine(work: str, src: str, precision: str, batch: int) -> str:
 
 def input_files(model, converted=None, data=None) -> list:
     """(label, real path) of every file a run reads: the model and --converted with their
-    external data files (graphmp.io.model_files), and --data."""
+    external data files (graphmp.model_io.model_files), and --data."""
     out = model_inputs("the model", model) + (model_inputs("--converted", converted) if converted is not None else [])
     if data is not None:
         out.append(("--data", os.fspath(data)))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import onnx
 
 from ..errors import GraphmpError
-from ..io import iter_graphs
+from ..model_io import iter_graphs
 
 BACKENDS = ("trt", "ort-cuda", "ort-cpu")
 PRECISIONS = ("fp32", "tf32", "fp16", "occ", "ort-opt")

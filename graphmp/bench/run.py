@@ -24,9 +24,9 @@ from ..check import check
 from ..convert import convert
 from ..errors import GraphmpError, first_line
 from ..inputs import batch_positions, find_shapes, generate, input_specs, parse_shapes, rebatch, user_batches
-from ..io import load_model, model_weight_bytes
-from ..oracle import run_ort
-from ..oracle import runner as ort_runner
+from ..model_io import load_model, model_weight_bytes
+from ..model_runs import run_ort
+from ..model_runs import runner as ort_runner
 from ..paths import check_target, refuse_clobber
 from .outputs import kept_engine, kept_model, refuse_overwrites
 from ..progress import Progress

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from ..errors import GraphmpError
-from ..oracle import ort_session
+from ..model_runs import ort_session
 from ..session import CPU, CUDA, ran_on
 
 TIMING = "host-sync"

@@ -109,7 +109,7 @@ def add(sub):
 
 def run(args) -> int:
     from ..bench import BenchInterrupted, bench
-    from ..io import check_writable
+    from ..model_io import check_writable
     outputs = []  # refused before any work when one is an input (bench's refuse_overwrites) or a device/FIFO
     for what, path, in_place_ok in (("--json", args.json, True), ("--plot", args.plot, False)):
         if path:

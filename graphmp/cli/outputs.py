@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 
-# graphmp.io imports onnx and numpy (0.3 s): `graphmp --help` and usage errors need neither
+# graphmp.model_io imports onnx and numpy (0.3 s): `graphmp --help` and usage errors need neither
 def write_json(path, data):
     """A user-named JSON output (--report, --json): atomic, or written in place into a
     FIFO or character device (--report /dev/stdout)."""
@@ -17,7 +17,7 @@ def refuse_clobber(outputs, models=(), files=()):
     """One line before any work when an output (label, path) is one of the input files:
     each model in `models` (label, path) with the data files it references, and `files`
     (label, path or list of paths: calibration, data)."""
-    from ..io import model_inputs
+    from ..model_io import model_inputs
     from ..paths import refuse_clobber as refuse
     inputs = []
     for what, path in models:
@@ -34,7 +34,7 @@ def writable(path, what):
     """Fail before long work when a user-named text output cannot be written (nothing is
     written); a FIFO or character device is written in place."""
     if path:
-        from ..io import check_writable as check
+        from ..model_io import check_writable as check
         check(path, None, what, in_place_ok=True)
 
 

@@ -24,10 +24,10 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from .. import ops
+from .. import policy
 from ..context import FLOAT
-from ..io import CONVERT_MARK, is_external, tensor_array
-from ..kernels import from_bf16_bits, to_bf16_bits, to_fp16, to_fp16_noting
+from ..model_io import CONVERT_MARK, is_external, tensor_array
+from ..weight_rounding import from_bf16_bits, to_bf16_bits, to_fp16, to_fp16_noting
 from . import PassResult
 SUFFIX = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}
 
@@ -47,7 +47,7 @@ def convert_noting(arr: np.ndarray, low: int) -> tuple[memoryview, dict | None]:
     when nothing did): elements changed, the largest absolute and relative change among
     finite values, nonzero values flushed to zero, finite values that overflowed to inf.
 
-    FP16 goes through ONNX Runtime (graphmp.kernels: 10x numpy's speed, same rounding);
+    FP16 goes through ONNX Runtime (graphmp.weight_rounding: 10x numpy's speed, same rounding);
     BF16 through numpy, blockwise, so its temporaries are block-sized."""
     if low == TensorProto.FLOAT16:
         out, facts = to_fp16_noting(arr)
@@ -207,7 +207,7 @@ def _retarget_exact_casts(ctx, rw, graphs, needs):
             if n.op_type != "Cast" or n.attr("to") != FLOAT or not n.outputs or n.outputs[0] in g.output_names:
                 continue
             y = n.outputs[0]
-            if ctx.type_of(g, n.inputs[0]) in ops.EXACT_IN_LOW and wants.get((g.key, y)) == {ctx.low}:
+            if ctx.type_of(g, n.inputs[0]) in policy.EXACT_IN_LOW and wants.get((g.key, y)) == {ctx.low}:
                 for a in n.proto.attribute:
                     if a.name == "to":
                         a.i = ctx.low
@@ -266,7 +266,7 @@ def apply(ctx):
             rw.cache[(okey, x, low)] = name
             rw.twice.append(x)
     if rw.twice:
-        from ..io import tensor_nbytes
+        from ..model_io import tensor_nbytes
         extra = sum(tensor_nbytes(owner.initializers[x]) // 2 for (_, x), (owner, _) in init_wants.items()
                     if x in rw.twice)
         ctx.warn(f"{len(rw.twice)} weight(s) are read in FP32 by some nodes and in the low type by others, so both "

@@ -29,9 +29,9 @@ from onnx import helper
 from ..context import FLOAT
 from ..errors import GraphmpError, first_line
 from ..inputs import dims_text, find_shapes, input_specs, user_batches
-from ..io import attr_graphs, model_weight_bytes
+from ..model_io import attr_graphs, model_weight_bytes
 from ..ir import Names
-from ..oracle import ort_session
+from ..model_runs import ort_session
 from . import PassResult
 
 AUTO_LIMIT = 1 << 30

@@ -33,7 +33,7 @@ reason recorded) when any of these hold, in this order of precedence:
   7. its op class is fp32 (reductions, Softmax, normalisations, Exp/Log, ...); the ops
      --norm-io names (default softmax: Softmax, LogSoftmax; all: LayerNormalization too)
      get the class "norm" instead: paint lowers them only where both their input and
-     their output are low-precision work (their kernels accumulate in FP32, ops.NORM_IO);
+     their output are low-precision work (their kernels accumulate in FP32, policy.NORM_IO);
      a Pow by a positive scalar constant whose output range calibration measured and no
      sum reduction reads (GELU's x^3) is elementwise math: class follow;
   8. it squares a tensor (Mul(x, x)) whose squares are summed (ReduceSum/ReduceMean, through
@@ -54,10 +54,10 @@ import numpy as np
 
 from onnx import TensorProto
 
-from .. import ops
+from .. import policy
 from ..context import FLOAT, NodeInfo
-from ..io import tensor_array
-from ..kernels import weight_facts
+from ..model_io import tensor_array
+from ..weight_rounding import weight_facts
 from . import PassResult
 
 FP16_MAX = 65504.0
@@ -74,7 +74,7 @@ def _raised(schema, n, ins, outs, var_types) -> NodeInfo | None:
     """--fp32-nodes on a node of an FP16/BF16 source: the positions it reads and writes
     in FP32 (Casts around it), where the schema allows FLOAT."""
     up = {v for v, ts in var_types.items()
-          if ts <= {TensorProto.FLOAT16, TensorProto.BFLOAT16} and ops.allows(schema, v, FLOAT)}
+          if ts <= {TensorProto.FLOAT16, TensorProto.BFLOAT16} and policy.allows(schema, v, FLOAT)}
     if not up:
         return None
     return NodeInfo(cls="fp32", reason="user: --fp32-nodes (computed in FP32 in an FP16 model)",
@@ -84,17 +84,17 @@ def _raised(schema, n, ins, outs, var_types) -> NodeInfo | None:
 
 def _schema_info(ctx, g, n, cls, raise_to_fp32=False) -> NodeInfo:
     low = ctx.low
-    if cls == "fixed" or n.domain not in ("", "ai.onnx", ops.MS_DOMAIN):  # contrib ops: ORT's schemas (ops.py)
+    if cls == "fixed" or n.domain not in ("", "ai.onnx", policy.MS_DOMAIN):  # contrib ops: ORT's schemas (policy.py)
         return NodeInfo(cls=cls)
-    schema = ops.get_schema(n.op_type, n.domain, ctx.opsets.get("", 1))
+    schema = policy.get_schema(n.op_type, n.domain, ctx.opsets.get("", 1))
     types_in = [ctx.type_of(g, x) if x else 0 for x in n.inputs]
     types_out = [ctx.type_of(g, x) if x else 0 for x in n.outputs]
     if schema is None:
         return NodeInfo(cls="unknown")
-    ins, outs = ops.bindings(schema, len(n.inputs), len(n.outputs))
+    ins, outs = policy.bindings(schema, len(n.inputs), len(n.outputs))
     var_types: dict = {}
     for ts, t in zip(ins + outs, types_in + types_out):
-        if ts is not None and t != 0 and ts not in ops.STR_TYPE:
+        if ts is not None and t != 0 and ts not in policy.STR_TYPE:
             var_types.setdefault(ts, set()).add(t)
     if not any(FLOAT in v for v in var_types.values()):
         raised = _raised(schema, n, ins, outs, var_types) if raise_to_fp32 else None
@@ -103,13 +103,13 @@ def _schema_info(ctx, g, n, cls, raise_to_fp32=False) -> NodeInfo:
         if any(None in v for v in var_types.values()) and any(t == FLOAT for t in types_in):
             return NodeInfo(cls=cls, reason="type of an output could not be proven (shape inference incomplete)")
         return NodeInfo(cls="none")
-    keep_vars = {ins[i] for i in ops.KEEP_INPUTS.get(n.op_type, ()) if i < len(ins)}
+    keep_vars = {ins[i] for i in policy.KEEP_INPUTS.get(n.op_type, ()) if i < len(ins)}
     keep_vars -= {ins[0]} | set(outs)
     retype = set()
     for v, ts in var_types.items():
         if None in ts:
             return NodeInfo(cls=cls, reason="touches a tensor whose type could not be proven")
-        if ts == {FLOAT} and v not in keep_vars and ops.allows(schema, v, low):
+        if ts == {FLOAT} and v not in keep_vars and policy.allows(schema, v, low):
             retype.add(v)
     if not retype:
         return NodeInfo(cls=cls, reason=f"no {ctx.options.target.upper()} form of {n.op_type} at opset "
@@ -189,7 +189,7 @@ def _moves_data(c, t) -> bool:
 
 def _elementwise(c, t) -> bool:
     """c is follow or clear work: elementwise math or data movement."""
-    return ops.op_class(c.op_type, c.domain) in ("follow", "clear")
+    return policy.op_class(c.op_type, c.domain) in ("follow", "clear")
 
 
 def _readers(g, n, consumers, through=_moves_data, outputs=1, max_depth=None):
@@ -416,7 +416,7 @@ def classify(ctx):
     recurrences = _PerGraph(lambda g: _recurrence_nodes(ctx, g, consumers(g)))
     lim = FP16_MAX if opt.target == "fp16" else BF16_MAX
     for g, n in ctx.nodes():
-        cls = ops.op_class(n.op_type, n.domain)
+        cls = policy.op_class(n.op_type, n.domain)
         info = _schema_info(ctx, g, n, cls, raise_to_fp32=bool(fp32_re and fp32_re.search(n.name)))
         ctx.info[n] = info
         if info.cls == "none":
@@ -426,7 +426,7 @@ def classify(ctx):
                 src = ctx.type_of(g, n.inputs[0])
                 if src in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
                     info.cls, info.reason = "fp32", "deliberate FP32 island in the source (Cast from FP16)"
-                elif src not in (FLOAT, TensorProto.DOUBLE, *ops.EXACT_IN_LOW):
+                elif src not in (FLOAT, TensorProto.DOUBLE, *policy.EXACT_IN_LOW):
                     info.cls, info.reason = "fp32", "integer-derived value (Cast to FLOAT from integers) may exceed the FP16 range"
             continue
         forced16 = bool(fp16_re and fp16_re.search(n.name))
@@ -463,7 +463,7 @@ def classify(ctx):
             elif reason:
                 info.reason = reason
         if info.reason is None and cls == "fp32":
-            if ops.norm_io(n, opt.norm_io):
+            if policy.norm_io(n, opt.norm_io):
                 info.cls = "norm"  # paint lowers it only between low-precision work
             elif _bounded_power(ctx, g, n, consumers):
                 info.cls = "follow"

@@ -28,14 +28,14 @@ import logging
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from .. import ops
+from .. import policy
 from ..errors import GraphmpError
-from ..io import is_external, iter_graphs, materialize
+from ..model_io import is_external, iter_graphs, materialize
 from . import PassResult
 
 # op types a fusion creates (com.microsoft ones, and ONNX LayerNormalization from
 # ReduceMean/Sub/Pow/Sqrt/Div chains)
-FUSED_OPS = tuple(ops.MS_OP_CLASS) + ("LayerNormalization",)
+FUSED_OPS = tuple(policy.MS_OP_CLASS) + ("LayerNormalization",)
 NEEDS = "pip install 'graphmp[fuse]' (or: pip install sympy)"
 
 
@@ -49,7 +49,7 @@ def _producers(model) -> dict:
 
 
 def _from_range(name, prod, seen=None) -> bool:
-    """Whether tensor `name` is computed from a Range (positions), through shape ops."""
+    """Whether tensor `name` is computed from a Range (positions), through shape policy."""
     seen = seen if seen is not None else set()  # ids: a NodeProto is unhashable; prod keeps them alive
     n = prod.get(name)
     if n is None or id(n) in seen:
@@ -175,17 +175,17 @@ def type_fused_outputs(model) -> int:
     typed = {v.name for v in list(model.graph.value_info) + list(model.graph.output)}
     added = 0
     for n in model.graph.node:
-        schema = ops.get_schema(n.op_type, n.domain, 1) if n.domain == ops.MS_DOMAIN else None
+        schema = policy.get_schema(n.op_type, n.domain, 1) if n.domain == policy.MS_DOMAIN else None
         if schema is None:
             continue
-        _, outs = ops.bindings(schema, len(n.input), len(n.output))
-        allowed = ops._constraints(schema)
+        _, outs = policy.bindings(schema, len(n.input), len(n.output))
+        allowed = policy._constraints(schema)
         for y, ts in zip(n.output, outs):
             if not y or y in typed or ts is None:
                 continue
             choices = allowed.get(ts, (ts,))
             elem = TensorProto.FLOAT if "tensor(float)" in choices else (
-                ops.STR_TYPE.get(next(iter(choices))) if len(choices) == 1 else None)
+                policy.STR_TYPE.get(next(iter(choices))) if len(choices) == 1 else None)
             if elem:
                 model.graph.value_info.append(onnx.helper.make_tensor_value_info(y, elem, None))
                 typed.add(y)
@@ -239,8 +239,8 @@ def run(ctx) -> PassResult | None:
         details["note"] = f"no known fusion: ONNX Runtime's {model_type} fusions matched nothing"
         return PassResult(changed=False, details=details)
     details["value_info_added"] = type_fused_outputs(fused)
-    if not any(o.domain == ops.MS_DOMAIN for o in fused.opset_import):  # ORT adds it only when saving
-        fused.opset_import.append(onnx.helper.make_opsetid(ops.MS_DOMAIN, 1))
+    if not any(o.domain == policy.MS_DOMAIN for o in fused.opset_import):  # ORT adds it only when saving
+        fused.opset_import.append(onnx.helper.make_opsetid(policy.MS_DOMAIN, 1))
     ctx.model = fused
     ctx.log(f"fused ({model_type}): " + ", ".join(f"{v} {k}" for k, v in gained.items()))
     return PassResult(changed=True, details=details)

@@ -279,7 +279,7 @@ def _budget_spec(opts, plan: Plan) -> tuple:
 
 def _prepare_verify(ctx, st: State, plan: Plan) -> dict:
     """The FP32 references and the budget on the calibration batches (before apply)."""
-    from ..oracle import runner
+    from ..model_runs import runner
     spec, metric, origin = _budget_spec(ctx.options, plan)
     st.batches = ctx.batches[:MAX_BATCHES]
     if not st.batches:
@@ -387,7 +387,7 @@ def save(ctx) -> PassResult:
     path = ctx.options.save_plan
     if not path or ctx.plan is None:
         return PassResult(changed=False)
-    from ..io import model_inputs
+    from ..model_io import model_inputs
     from ..paths import refuse_clobber
     from ..save import write_json
     opts = ctx.options

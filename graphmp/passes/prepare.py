@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from ..io import iter_graphs, model_weight_bytes
+from ..model_io import iter_graphs, model_weight_bytes
 from ..ir import Graph, Names, name_nodes
 from . import PassResult
 from ..opset import default_opset, initializers_out_of_inputs, upgrade  # noqa: F401  (re-exported)

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from .. import ops
+from .. import policy
 from ..cast_cost import compute_flops
 from .paint import float_edges
 
@@ -40,7 +40,7 @@ class Region:
 
 
 def _is_compute(n) -> bool:
-    return ops.op_class(n.op_type, n.domain) == "fp16"
+    return policy.op_class(n.op_type, n.domain) == "fp16"
 
 
 def whole(regions) -> frozenset:
@@ -57,7 +57,7 @@ def node_costs(ctx, batch) -> tuple[dict, bool]:
     Inside bodies inference often keeps the rank but loses a dim (batch, time): such a
     dim counts as 1 and `approximate` is True (the nodes of one body share those dims,
     so shares between them hold); a node without any shape gets no entry."""
-    from ..io import iter_graphs, skeleton
+    from ..model_io import iter_graphs, skeleton
     skel = skeleton(ctx.model)
     for v in skel.graph.input:
         if v.name in batch:
@@ -119,7 +119,7 @@ def regions(ctx, costs: dict) -> list[Region]:
             if n not in ctx.lowered or (forced and forced.search(n.name)):
                 continue
             up = [region_of[p] for p in pred[n] if p in region_of]
-            if ops.op_class(n.op_type, n.domain) == "fp16" or not up:
+            if policy.op_class(n.op_type, n.domain) == "fp16" or not up:
                 r = Region(graph=g.key)
                 out.append(r)
             else:

@@ -44,7 +44,7 @@ import numpy as np
 
 from ..budget import errors, measure
 from ..errors import GraphmpError, first_line
-from ..oracle import runner
+from ..model_runs import runner
 from ..session import CUDA, ran_on
 from . import PassResult
 from .regions import _is_compute, _weight_bytes, node_costs, regions, whole
@@ -403,7 +403,7 @@ def _verify_on_cuda(ctx, batches: list, budget) -> dict:
     kernel; on an H100, ORT CUDA's FP16 kernels erred 1.1-4.2x as much on PP-OCR models
     (benchmarks/oracles.py), so a plan the emulation passes can miss the budget there, and
     the user is told. {} without CUDA."""
-    from ..oracle import cuda_available
+    from ..model_runs import cuda_available
     if not cuda_available():
         return {}
     try:

@@ -7,10 +7,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..io import tensor_array
+from ..model_io import tensor_array
 from ..ir import Names
-from ..kernels import to_fp16
-from ..oracle import runner
+from ..weight_rounding import to_fp16
+from ..model_runs import runner
 from .regions import Region
 
 

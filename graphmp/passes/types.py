@@ -15,9 +15,9 @@ import itertools
 
 import onnx
 
-from .. import ops
+from .. import policy
 from . import PassResult
-from ..io import attr_graphs, skeleton
+from ..model_io import attr_graphs, skeleton
 
 
 def _declared(g_proto) -> dict:
@@ -56,10 +56,10 @@ def _propagate(ctx, g):
             if t:
                 types[n.outputs[0]] = t
             continue
-        schema = ops.get_schema(n.op_type, n.domain, version.get(n.domain or "", 1))
+        schema = policy.get_schema(n.op_type, n.domain, version.get(n.domain or "", 1))
         if schema is None:
             continue
-        ins, outs = ops.bindings(schema, len(n.inputs), len(n.outputs))
+        ins, outs = policy.bindings(schema, len(n.inputs), len(n.outputs))
         bound = {}
         for ts, name in zip(ins, n.inputs):
             if name and ts:
@@ -69,8 +69,8 @@ def _propagate(ctx, g):
         for ts, name in zip(outs, n.outputs):
             if not name or name in types or not ts:
                 continue
-            if ts in ops.STR_TYPE:
-                types[name] = ops.STR_TYPE[ts]
+            if ts in policy.STR_TYPE:
+                types[name] = policy.STR_TYPE[ts]
             elif ts in bound:
                 types[name] = bound[ts]
     for c in g.children:

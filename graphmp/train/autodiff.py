@@ -45,7 +45,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..errors import GraphmpError
-from ..ops import FLOAT_TYPES
+from ..policy import FLOAT_TYPES
 from ..opset import default_opset
 from .emitter import Emitter, attr, tensor_info
 from .rules import RULES, ZERO_GRAD

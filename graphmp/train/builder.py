@@ -12,7 +12,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import GraphmpError
-from ..io import iter_graphs
+from ..model_io import iter_graphs
 from ..ir import Names
 from ..save import save_model
 

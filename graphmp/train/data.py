@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 
 from ..errors import GraphmpError
-from ..io import load_npz
+from ..model_io import load_npz
 from .losses import MSE_RESHAPE
 from .runfiles import run_file
 

@@ -18,7 +18,7 @@ def providers_for(device: str) -> tuple[list, str | None]:
 
     "cuda" without a CUDA provider in this onnxruntime raises a GraphmpError; "auto" then
     returns the CPU with a note saying so."""
-    from ..oracle import cuda_available
+    from ..model_runs import cuda_available
     if device not in DEVICES:
         raise GraphmpError(f"device must be one of {list(DEVICES)}, not '{device}'")
     if device == "cpu":

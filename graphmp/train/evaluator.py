@@ -13,7 +13,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..errors import GraphmpError
-from ..oracle import ort_session
+from ..model_runs import ort_session
 from .data import in_order, mse_mismatch, run_failure
 from .device import check_session
 from .runfiles import load_onnx, run_file

@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 
 from ..errors import GraphmpError, first_line
-from ..io import check_writable, load_npz
+from ..model_io import check_writable, load_npz
 from ..save import save_model, save_npz, write_json
 from ..progress import Progress
 from .data import DataCheck, Dataset, in_order, label_rule, make_source, run_failure, whole_arrays

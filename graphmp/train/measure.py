@@ -63,7 +63,7 @@ def measured_dims(model: onnx.ModelProto, specs, given: dict, tensors) -> dict:
     (name -> dims; the declared dims of the inputs not in it); {} when some input shape is
     still open or the run fails (the caller then refuses with its own message)."""
     from ..inputs import generate, value_hints
-    from ..oracle import runner
+    from ..model_runs import runner
     shapes = {}
     for s in specs:
         shape = given.get(s.name, s.dims)
@@ -115,7 +115,7 @@ def declare_measured(model: onnx.ModelProto, shapes=None, *, where: str = "<mode
     Returns {"tensors": declared count, "static_dims": whether dims were compared across free
     sizes, "shapes": the input shapes of the measuring run, "note": why not (or None)}."""
     from ..inputs import find_shapes, generate, input_specs
-    from ..oracle import runner
+    from ..model_runs import runner
     info = tensor_info(model)
     wanted = unknown_rank_tensors(model, info)
     wanted += [t for t in dict.fromkeys(need_static) if t and t not in wanted and t in info

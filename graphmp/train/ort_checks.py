@@ -28,7 +28,7 @@ def calibration_batch(src, base_dir, shapes, path, cfg, label_dims, label_elem, 
     (`state`). A label shape that contradicts the output (a fixed size, or an input's dim
     name, that differs) is a one-line error giving the --label-shape that fits."""
     from ..inputs import find_shapes
-    from ..oracle import runner
+    from ..model_runs import runner
     # one session that also returns the loss's input tensor (an intermediate with
     # --model-output): the output is listed only while the session is made, so the
     # weights are not copied

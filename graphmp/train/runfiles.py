@@ -36,7 +36,7 @@ import stat
 import numpy as np
 
 from ..errors import GraphmpError, first_line
-from ..io import model_inputs
+from ..model_io import model_inputs
 from ..paths import resolve_inside
 from ..save import save_npz, write_json
 from .builder import save_checked
@@ -224,7 +224,7 @@ def os_error(e: OSError, path=None, what: str | None = None, after: str = "") ->
 
 @contextlib.contextmanager
 def writing(path, what: str, after: str = ""):
-    """Turn an OSError (or the GraphmpError of graphmp.io's writers) while writing `path`
+    """Turn an OSError (or the GraphmpError of graphmp.model_io's writers) while writing `path`
     into one line naming it, with `after` (what is still valid, what to do) appended."""
     try:
         yield
@@ -266,7 +266,7 @@ def refuse_run_files(run_dir, given, fix: str) -> None:
 def export_inputs(run_dir, meta: dict) -> list[tuple[str, str]]:
     """(label, path) of what export must never overwrite: the run's files (run_paths) and
     the source model that train.json names with its external data files (read, by
-    graphmp.io.model_inputs, only when it is a regular file)."""
+    graphmp.model_io.model_inputs, only when it is a regular file)."""
     out = [(f"the run's {n}", p) for n, p in run_paths(run_dir)]
     src = meta.get("source")
     if isinstance(src, str) and "\0" not in src and os.path.isfile(src):

@@ -199,7 +199,7 @@ def subgraph_weights_note(model) -> str:
     """'; N FP32 tensors ...' when the model keeps weight-like tensors (FP32 initializers or
     Constants of rank >= 1) only inside If/Loop/Scan bodies, which train-graph does not
     differentiate (it differentiates the main graph); '' otherwise."""
-    from ..io import iter_graphs
+    from ..model_io import iter_graphs
     count, ops = 0, set()
     for n in model.graph.node:
         for g in (g for a in n.attribute for g in ([a.g] if a.HasField("g") else list(a.graphs))):

@@ -65,7 +65,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import GraphmpError
-from ..io import iter_graphs, load_model, tensor_array
+from ..model_io import iter_graphs, load_model, tensor_array
 from ..opset import upgrade
 from ..passes.prepare import initializers_out_of_inputs
 from . import losses, optim, source
@@ -180,7 +180,7 @@ def _load_source(path: str, cfg: dict) -> _Source:
     raw = src  # as written (the opset upgrade may wrap a Softmax-11 in Flatten/Reshape)
     source.dynamic_negative_dims(src)
     # ImageScaler/Crop/Affine (removed experimental ops) would stop the upgrade: standard ops first
-    from .legacy import rewrite_experimental
+    from .removed_ops import rewrite_experimental
     legacy_consts = set(rewrite_experimental(src, path))
     src = upgrade(src, _needed_opset(src), path)
     initializers_out_of_inputs(src)

@@ -37,15 +37,15 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ...io import iter_graphs, tensor_array
+from ...model_io import iter_graphs, tensor_array
 from ...ir import Names
-from ...ops import FLOAT_TYPES
+from ...policy import FLOAT_TYPES
 from ...opset import default_opset
 from .flow import BINARY_FILL, POOLS, UNARY, ChannelFlow
 from .layout import Layout, model_flops, round_up, scatter
 from .producers import ProducerPads
 from .weights import WeightPads
-from ...io import skeleton
+from ...model_io import skeleton
 
 __all__ = ["Layout", "Padder", "pad_channels", "round_up", "scatter"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...ops import FLOAT_TYPES
+from ...policy import FLOAT_TYPES
 
 
 UNARY = {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish", "Elu", "Selu", "Celu",

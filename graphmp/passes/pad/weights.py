@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper
 
-from ...io import iter_graphs
+from ...model_io import iter_graphs
 from .layout import flops, round_up, scatter
 
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from ...errors import GraphmpError
-from ...ops import FLOAT_TYPES
+from ...policy import FLOAT_TYPES
 from ..emitter import attr, rule, zero_grad
 from .common import _inputs, _is_extreme, _zero_where
 
