@@ -169,3 +169,32 @@ def test_a_fully_static_streaming_model_takes_whole_inputs_stacked_per_sample(tm
         import json
         make_source(str(bad), json.loads((run / "train.json").read_text()))
     assert "accepted: [samples, 1, 4, 4]" in str(e.value) and "[samples, 2, 1, 4, 4] for every input" in str(e.value)
+
+
+DIGITS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "data", "digits.npz")
+MNIST = os.path.join(os.path.dirname(DIGITS), "..", "real", "mnist_cntk.onnx")
+
+
+def test_the_shipped_digits_teach_the_shipped_mnist_model(tmp_path):
+    """The README's training tour on real data: the MNIST classifier trained on the printed
+    digits of models/data/digits.npz reads them better than before, and its exported mixed
+    model says the same under ONNX Runtime."""
+    import onnxruntime as ort
+    from graphmp.train import export, train
+    d = np.load(DIGITS)
+    assert d["train_Input3"].shape == (600, 1, 28, 28) and d["train_Input3"].dtype == np.uint8
+    assert set(np.unique(d["train_labels"])) == set(range(10))
+    for s in ("train", "eval"):
+        np.savez(tmp_path / f"{s}.npz", Input3=d[s + "_Input3"], labels=d[s + "_labels"])
+
+    def accuracy(path):
+        sess = ort.InferenceSession(str(path))
+        p = [sess.run(None, {"Input3": x[None].astype(np.float32)})[0].argmax() for x in d["eval_Input3"]]
+        return float(np.mean(np.array(p) == d["eval_labels"]))
+    before = accuracy(MNIST)
+    run = str(tmp_path / "run")
+    build_step(MNIST, run, loss="cross-entropy", optimizer="adamw", lr=1e-4)
+    train(run, str(tmp_path / "train.npz"), epochs=2, batch_size=1, progress=False)
+    export(run, str(tmp_path / "out.onnx"), precision="mixed")
+    after = accuracy(tmp_path / "out.onnx")
+    assert after >= before + 0.1, (before, after)
