@@ -271,3 +271,22 @@ def test_a_loop_carried_state_is_updated_in_fp32():
     assert any(n.op_type == "Cast" and n.output[0] in mm.input for n in body.node)  # the MatMul reads FP16
     forced = graphmp.convert(m, None, fp16_nodes="^body_").model
     assert err(rep.model) < 2e-3 and err(forced) > 4e-3
+
+
+def test_classify_rules_run_in_the_order_its_docstring_lists():
+    """passes/classify.py's docstring is the rule list a reader trusts: its numbered [names]
+    are RULES, in RULES' order."""
+    import re as _re
+    from graphmp.passes import classify
+    listed = _re.findall(r"^\s+(\d+)\. \[([\w-]+)\]", classify.__doc__, _re.M)
+    assert [int(i) for i, _ in listed] == list(range(1, len(classify.RULES) + 1))
+    assert [name for _, name in listed] == [name for name, _ in classify.RULES]
+
+
+def test_the_first_rule_with_a_reason_decides():
+    """--fp32-nodes (rule 2) wins over the op class (rule 7); --fp16-nodes (rule 1) ends the
+    rules for a LayerNormalization that rule 7 would keep FP32."""
+    rep = graphmp.convert(block(), None, fp32_nodes="^ln1$")
+    assert rep.fp32_nodes["ln1"] == "user: --fp32-nodes"
+    rep = graphmp.convert(block(), None, fp16_nodes="^ln1$")
+    assert "ln1" not in rep.fp32_nodes

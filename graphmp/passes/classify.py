@@ -6,45 +6,48 @@ and output positions that would take the low type, and the reason it must stay F
 (None when it may be lowered).
 
 A node may be lowered only where the schema at the model's opset allows the target
-type for every float type variable that gets retyped. It must stay FP32 (with the
-reason recorded) when any of these hold, in this order of precedence:
-  1. --fp16-nodes matches its name: forced low precision where the schema allows it;
-  2. --fp32-nodes / --fp32-ops name it;
-  3. it is a custom/unknown op, has no low-precision form at this opset, or touches a
-     tensor whose type could not be proven;
-  4. it is a Cast producing FP32 from integers (shape arithmetic, element counts that
-     can exceed 65504; not from BOOL/INT8/UINT8, whose values FP16 holds exactly: apply
-     casts those straight to FP16 where every reader wants it) or from FP16 (a
-     deliberate FP32 island in the source);
-     it is INT8 work of a Q/DQ model: it reads a DequantizeLinear output or feeds a
-     QuantizeLinear (TensorRT and ONNX Runtime fuse DQ -> op -> Q into INT8 kernels; a
-     Cast inside that unit would break the fusion and move quantization buckets);
-  5. an initializer it reads would change meaning in the target type (beyond the
-     range, or a small constant that rounds to zero where that matters: the flushed
-     value is at least 2^-11 of the scale it meets, its own max |x| and, when added, the
-     calibrated max |x| of the other operand; or the sum reaches a divisor, Sqrt, Log or
-     a comparison, where an epsilon guards against 0);
-  6. calibration saw a value above the range threshold on one of its float tensors
-     (--range-threshold, else 512 where the value reaches a subtraction or normalisation
-     through follow/clear nodes, where FP16 rounding cancels, and 4094 elsewhere: 16x
-     headroom below FP16's max; the report names the data that decided it) (with
-     --max-error, up to GIVE_BACK_RANGE, it is only a candidate: ctx.range_candidates,
-     and the search decides by the measured error);
-  7. its op class is fp32 (reductions, Softmax, normalisations, Exp/Log, ...); the ops
-     --norm-io names (default softmax: Softmax, LogSoftmax; all: LayerNormalization too)
-     get the class "norm" instead: paint lowers them only where both their input and
-     their output are low-precision work (their kernels accumulate in FP32, policy.NORM_IO);
-     a Pow by a positive scalar constant whose output range calibration measured and no
-     sum reduction reads (GELU's x^3) is elementwise math: class follow;
-  8. it squares a tensor (Mul(x, x)) whose squares are summed (ReduceSum/ReduceMean, through
-     data movement), as Pow already is by its class: a variance taken as E[x^2] - E[x]^2
-     (Flax's LayerNorm, exported by jax2tf) cancels everything but the FP16 rounding of
-     the squares (magika's file-type model: 0.2 relative error, the wrong class);
-  9. it is elementwise math (follow class) on the way from a loop-carried float state of a
-     Loop/Scan body to that state's next value: the recurrence (a hand-written GRU cell,
-     an attention decoder's hidden state) is rounded again at every iteration, and the
-     error compounds (PaddleOCR's SLANet table decoder, 500 iterations: box error 0.027 ->
-     0.001). Its MatMuls stay FP16: Tensor Core work, rounded once per use.
+type for every float type variable that gets retyped; a custom/unknown op, one with no
+low-precision form at this opset, or one that touches a tensor whose type could not be
+proven stays FP32 (_schema_info). A Cast (op class fixed) producing FP32 from integers
+(shape arithmetic, element counts that can exceed 65504; not from BOOL/INT8/UINT8, whose
+values FP16 holds exactly: apply casts those straight to FP16 where every reader wants
+it) or from FP16 (a deliberate FP32 island in the source) stays FP32 (_source_cast).
+Every other node goes through RULES, in this order; the first rule that gives a reason
+keeps the node FP32 (tests/test_policy.py holds this list to RULES):
+  1. [fp16-nodes] --fp16-nodes matches its name: forced low precision where the schema
+     allows it (no later rule applies);
+  2. [fp32-nodes] --fp32-nodes / --fp32-ops name it;
+  3. [int8-qdq] it is INT8 work of a Q/DQ model: it reads a DequantizeLinear output or
+     feeds a QuantizeLinear (TensorRT and ONNX Runtime fuse DQ -> op -> Q into INT8
+     kernels; a Cast inside that unit would break the fusion and move quantization buckets);
+  4. [unknown-op] its op is in none of graphmp's lists;
+  5. [initializers] an initializer it reads would change meaning in the target type
+     (beyond the range, or a small constant that rounds to zero where that matters: the
+     flushed value is at least 2^-11 of the scale it meets, its own max |x| and, when
+     added, the calibrated max |x| of the other operand; or the sum reaches a divisor,
+     Sqrt, Log or a comparison, where an epsilon guards against 0);
+  6. [range] calibration saw a value above the range threshold on one of its float
+     tensors (--range-threshold, else 512 where the value reaches a subtraction or
+     normalisation through follow/clear nodes, where FP16 rounding cancels, and 4094
+     elsewhere: 16x headroom below FP16's max; the report names the data that decided it)
+     (with --max-error, up to GIVE_BACK_RANGE, it is only a candidate:
+     ctx.range_candidates, and the search decides by the measured error);
+  7. [op-class] its op class is fp32 (reductions, Softmax, normalisations, Exp/Log, ...);
+     the ops --norm-io names (default softmax: Softmax, LogSoftmax; all: LayerNormalization
+     too) get the class "norm" instead: paint lowers them only where both their input and
+     their output are low-precision work (their kernels accumulate in FP32,
+     policy.NORM_IO); a Pow by a positive scalar constant whose output range calibration
+     measured and no sum reduction reads (GELU's x^3) is elementwise math: class follow;
+  8. [summed-square] it squares a tensor (Mul(x, x)) whose squares are summed
+     (ReduceSum/ReduceMean, through data movement), as Pow already is by its class: a
+     variance taken as E[x^2] - E[x]^2 (Flax's LayerNorm, exported by jax2tf) cancels
+     everything but the FP16 rounding of the squares (magika's file-type model: 0.2
+     relative error, the wrong class);
+  9. [recurrence] it is elementwise math (follow class) on the way from a loop-carried
+     float state of a Loop/Scan body to that state's next value: the recurrence (a
+     hand-written GRU cell, an attention decoder's hidden state) is rounded again at every
+     iteration, and the error compounds (PaddleOCR's SLANet table decoder, 500 iterations:
+     box error 0.027 -> 0.001). Its MatMuls stay FP16: Tensor Core work, rounded once per use.
 """
 from __future__ import annotations
 
@@ -405,76 +408,132 @@ def _range_reason(ctx, g, n, consumers) -> tuple[str | None, float]:
     return reason, widest
 
 
+class _Rules:
+    """What RULES share over one conversion: the options, compiled patterns, Q/DQ edges,
+    initializer facts and per-graph consumer maps, each computed once."""
+
+    def __init__(self, ctx):
+        opt = self.opt = ctx.options
+        self.ctx = ctx
+        self.qdq = {g.key: _qdq_edges(g) for g in ctx.root.walk()}
+        self.fp16_re = re.compile(opt.fp16_nodes) if opt.fp16_nodes else None
+        self.fp32_re = re.compile(opt.fp32_nodes) if opt.fp32_nodes else None
+        self.fp32_ops = set(opt.fp32_ops or ())
+        self.stats = InitStats(ctx)
+        self.consumers = _PerGraph(lambda g: g.consumers())
+        self.recurrences = _PerGraph(lambda g: _recurrence_nodes(ctx, g, self.consumers(g)))
+        self.lim = FP16_MAX if opt.target == "fp16" else BF16_MAX
+
+
+DECIDED = object()  # a rule's verdict that settles the node without an FP32 reason
+
+
+def _forced_fp16(r: _Rules, g, n, info, cls):
+    if r.fp16_re and r.fp16_re.search(n.name):
+        info.cls = "fp16"
+        return DECIDED
+    return None
+
+
+def _user_fp32(r: _Rules, g, n, info, cls):
+    if r.fp32_re and r.fp32_re.search(n.name):
+        return "user: --fp32-nodes"
+    return "user: --fp32-ops" if n.op_type in r.fp32_ops else None
+
+
+def _int8_qdq(r: _Rules, g, n, info, cls):
+    dq_out, q_in = r.qdq[g.key]
+    return QDQ_REASON if any(x in dq_out for x in n.inputs) or any(y in q_in for y in n.outputs) else None
+
+
+def _unknown_op(r: _Rules, g, n, info, cls):
+    return "op not in graphmp's FP16 lists (kept FP32 to be safe)" if cls == "unknown" else None
+
+
+def _initializers(r: _Rules, g, n, info, cls):
+    for i in info.low_inputs:
+        s = r.stats.get(g, n.inputs[i])
+        if s is None:
+            continue
+        maxabs, tiny, size, _ = s
+        if maxabs > r.lim:
+            return f"initializer '{n.inputs[i]}' holds {_fmt(maxabs)}, beyond the {r.opt.target.upper()} range"
+        if r.opt.target == "fp16" and tiny and size <= SMALL_CONST:
+            reason = _flush_reason(r.ctx, g, n, i, s, r.stats, r.consumers)
+            if reason:
+                return reason
+    return None
+
+
+def _range(r: _Rules, g, n, info, cls):
+    if not r.ctx.ranges:
+        return None
+    reason, widest = _range_reason(r.ctx, g, n, r.consumers)
+    if reason and r.opt.max_error is not None and widest <= GIVE_BACK_RANGE:
+        r.ctx.range_candidates[n] = reason  # the search measures it in FP16 first
+        return None
+    return reason
+
+
+def _op_class(r: _Rules, g, n, info, cls):
+    if cls != "fp32":
+        return None
+    if policy.norm_io(n, r.opt.norm_io):
+        info.cls = "norm"  # paint lowers it only between low-precision work
+        return None
+    if _bounded_power(r.ctx, g, n, r.consumers):
+        info.cls = "follow"
+        return None
+    return f"{n.op_type} is range-sensitive (FP32 op class)"
+
+
+def _summed_square_rule(r: _Rules, g, n, info, cls):
+    return SQUARE_REASON if _summed_square(g, n, r.consumers) else None
+
+
+def _recurrence(r: _Rules, g, n, info, cls):
+    return RECURRENCE_REASON if cls == "follow" and n in r.recurrences(g) else None
+
+
+# the rules of the module docstring, in its order: (name, rule(rules, graph, node, info, op
+# class) -> an FP32 reason, None (no verdict: the next rule), or DECIDED (no more rules))
+RULES = [("fp16-nodes", _forced_fp16), ("fp32-nodes", _user_fp32), ("int8-qdq", _int8_qdq),
+         ("unknown-op", _unknown_op), ("initializers", _initializers), ("range", _range),
+         ("op-class", _op_class), ("summed-square", _summed_square_rule), ("recurrence", _recurrence)]
+
+
+def _source_cast(ctx, g, n, info) -> None:
+    """A Cast to FLOAT from FP16/BF16 (a deliberate island) or from integers FP16 may not
+    hold stays FP32; other fixed-class nodes are left as the source has them."""
+    if n.op_type != "Cast" or n.attr("to") != FLOAT:
+        return
+    src = ctx.type_of(g, n.inputs[0])
+    if src in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
+        info.cls, info.reason = "fp32", "deliberate FP32 island in the source (Cast from FP16)"
+    elif src not in (FLOAT, TensorProto.DOUBLE, *policy.EXACT_IN_LOW):
+        info.cls, info.reason = "fp32", "integer-derived value (Cast to FLOAT from integers) may exceed the FP16 range"
+
+
 def classify(ctx):
-    opt = ctx.options
-    qdq = {g.key: _qdq_edges(g) for g in ctx.root.walk()}
-    fp16_re = re.compile(opt.fp16_nodes) if opt.fp16_nodes else None
-    fp32_re = re.compile(opt.fp32_nodes) if opt.fp32_nodes else None
-    fp32_ops = set(opt.fp32_ops or ())
-    stats = InitStats(ctx)
-    consumers = _PerGraph(lambda g: g.consumers())
-    recurrences = _PerGraph(lambda g: _recurrence_nodes(ctx, g, consumers(g)))
-    lim = FP16_MAX if opt.target == "fp16" else BF16_MAX
+    rules = _Rules(ctx)
     for g, n in ctx.nodes():
         cls = policy.op_class(n.op_type, n.domain)
-        info = _schema_info(ctx, g, n, cls, raise_to_fp32=bool(fp32_re and fp32_re.search(n.name)))
+        info = _schema_info(ctx, g, n, cls, raise_to_fp32=bool(rules.fp32_re and rules.fp32_re.search(n.name)))
         ctx.info[n] = info
         if info.cls == "none":
             continue
         if cls == "fixed":
-            if n.op_type == "Cast" and n.attr("to") == FLOAT:
-                src = ctx.type_of(g, n.inputs[0])
-                if src in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
-                    info.cls, info.reason = "fp32", "deliberate FP32 island in the source (Cast from FP16)"
-                elif src not in (FLOAT, TensorProto.DOUBLE, *policy.EXACT_IN_LOW):
-                    info.cls, info.reason = "fp32", "integer-derived value (Cast to FLOAT from integers) may exceed the FP16 range"
+            _source_cast(ctx, g, n, info)
             continue
-        forced16 = bool(fp16_re and fp16_re.search(n.name))
         if info.reason:  # infeasible: nothing can lower it
             continue
-        if forced16:
-            info.cls = "fp16"
-            continue
-        dq_out, q_in = qdq[g.key]
-        if fp32_re and fp32_re.search(n.name):
-            info.reason = "user: --fp32-nodes"
-        elif n.op_type in fp32_ops:
-            info.reason = "user: --fp32-ops"
-        elif any(x in dq_out for x in n.inputs) or any(y in q_in for y in n.outputs):
-            info.reason = QDQ_REASON
-        elif cls == "unknown":
-            info.reason = "op not in graphmp's FP16 lists (kept FP32 to be safe)"
-        if info.reason is None:
-            for i in info.low_inputs:
-                s = stats.get(g, n.inputs[i])
-                if s is None:
-                    continue
-                maxabs, tiny, size, _ = s
-                if maxabs > lim:
-                    info.reason = f"initializer '{n.inputs[i]}' holds {_fmt(maxabs)}, beyond the {opt.target.upper()} range"
-                elif opt.target == "fp16" and tiny and size <= SMALL_CONST:
-                    info.reason = _flush_reason(ctx, g, n, i, s, stats, consumers)
-                if info.reason:
-                    break
-        if info.reason is None and ctx.ranges:
-            reason, widest = _range_reason(ctx, g, n, consumers)
-            if reason and opt.max_error is not None and widest <= GIVE_BACK_RANGE:
-                ctx.range_candidates[n] = reason  # the search measures it in FP16 first
-            elif reason:
-                info.reason = reason
-        if info.reason is None and cls == "fp32":
-            if policy.norm_io(n, opt.norm_io):
-                info.cls = "norm"  # paint lowers it only between low-precision work
-            elif _bounded_power(ctx, g, n, consumers):
-                info.cls = "follow"
-            else:
-                info.reason = f"{n.op_type} is range-sensitive (FP32 op class)"
-        if info.reason is None and _summed_square(g, n, consumers):
-            info.reason = SQUARE_REASON
-        if info.reason is None and cls == "follow" and n in recurrences(g):
-            info.reason = RECURRENCE_REASON
-        if info.reason:
-            info.cls = "fp32"
+        for _, rule in RULES:
+            verdict = rule(rules, g, n, info, cls)
+            if verdict is DECIDED:
+                break
+            if verdict:
+                info.reason, info.cls = verdict, "fp32"
+                break
 
 
 def run(ctx) -> PassResult:
