@@ -290,3 +290,11 @@ def test_the_first_rule_with_a_reason_decides():
     assert rep.fp32_nodes["ln1"] == "user: --fp32-nodes"
     rep = graphmp.convert(block(), None, fp16_nodes="^ln1$")
     assert "ln1" not in rep.fp32_nodes
+
+
+def test_paint_steps_run_in_the_order_its_docstring_lists():
+    import re as _re
+    from graphmp.passes import paint
+    listed = _re.findall(r"^\s+(\d+)\. (\w+):", paint.__doc__, _re.M)
+    assert [int(i) for i, _ in listed] == list(range(1, len(paint.STEPS) + 1))
+    assert [name for _, name in listed] == [name for name, _ in paint.STEPS]

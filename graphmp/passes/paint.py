@@ -1,7 +1,7 @@
 """paint: decide which nodes run in low precision, TensorFlow auto-mixed-precision style.
 
 Works per graph on the FP32 edges between nodes (a subgraph is painted on its own;
-its I/O keep their declared types). Named steps, in order:
+its I/O keep their declared types). Named steps, in order (STEPS):
   1. islands:  nodes after a source Cast(FP16->FP32) up to the next Cast stay FP32
                (deliberate FP32 islands of an already mixed model);
   2. deny:     FP32 spreads forward from FP32 nodes through follow/clear nodes that
@@ -103,69 +103,99 @@ def _joins(nodes, succ, pred, kind, reach) -> set:
             and any(p in low and p not in reach for p in pred[m])}
 
 
-def paint_graph(ctx, g):
-    info = ctx.info
-    nodes = [n for n in g.nodes if info[n].cls != "none"]
-    succ, pred = float_edges(ctx, g)
+class _Canvas:
+    """One graph being painted: its nodes, float edges, each node's kind (allow, infer,
+    clear, norm, deny, barrier: from ctx.info, so a reason set by a step makes it deny)
+    and the allow set the steps grow (an ordered set: dict node -> None)."""
 
-    def kind(n):
-        i = info[n]
-        if i.reason:
-            return "deny"
-        return {"fp16": "allow", "follow": "infer", "clear": "clear", "norm": "norm"}.get(i.cls, "barrier")
+    KINDS = {"fp16": "allow", "follow": "infer", "clear": "clear", "norm": "norm"}
 
-    # 1. islands
-    island_starts = [n for n in nodes if n.op_type == "Cast" and info[n].reason and "island" in info[n].reason]
-    for m in _reach(island_starts, succ, lambda m: kind(m) != "barrier" and m.op_type != "Cast"):
-        if not info[m].reason:
-            info[m].reason = ISLAND
+    def __init__(self, ctx, g):
+        self.ctx, self.g, self.info = ctx, g, ctx.info
+        self.nodes = [n for n in g.nodes if self.info[n].cls != "none"]
+        self.succ, self.pred = float_edges(ctx, g)
+        self.allow = {}
 
-    # 2. deny forward through infer/clear into deny/infer; a join stops the spread
-    #    (deny, marked, allow: ordered sets, dicts node -> None)
-    deny = dict.fromkeys(n for n in nodes if kind(n) == "deny")
-    free = lambda m: kind(m) in ("infer", "clear", "norm")  # noqa: E731
-    reach = _reach(deny, succ, free)
-    joins = _joins(nodes, succ, pred, kind, reach)
-    spread = _reach(deny, succ, lambda m: free(m) and m not in joins)
-    ends = [m for m in spread if kind(m) in ("infer", "norm")]
-    ends += [m for m in reach if any(s in deny for s in succ[m])]  # deny -> ... -> deny
+    def kind(self, n) -> str:
+        i = self.info[n]
+        return "deny" if i.reason else self.KINDS.get(i.cls, "barrier")
+
+    def free(self, n) -> bool:
+        return self.kind(n) in ("infer", "clear", "norm")
+
+
+def _islands(c: _Canvas) -> None:
+    """Step 1: nodes after a source Cast(FP16->FP32), up to the next Cast, stay FP32."""
+    starts = [n for n in c.nodes if n.op_type == "Cast" and c.info[n].reason and "island" in c.info[n].reason]
+    for m in _reach(starts, c.succ, lambda m: c.kind(m) != "barrier" and m.op_type != "Cast"):
+        if not c.info[m].reason:
+            c.info[m].reason = ISLAND
+
+
+def _deny(c: _Canvas) -> None:
+    """Step 2: FP32 spreads forward from deny nodes through infer/clear/norm nodes into
+    infer or deny work; a join (_joins) stops it unless it leads into deny work."""
+    deny = dict.fromkeys(n for n in c.nodes if c.kind(n) == "deny")
+    reach = _reach(deny, c.succ, c.free)
+    joins = _joins(c.nodes, c.succ, c.pred, c.kind, reach)
+    spread = _reach(deny, c.succ, lambda m: c.free(m) and m not in joins)
+    ends = [m for m in spread if c.kind(m) in ("infer", "norm")]
+    ends += [m for m in reach if any(s in deny for s in c.succ[m])]  # deny -> ... -> deny
     marked = dict.fromkeys(ends)
-    marked.update(_reach(ends, pred, lambda m: m in reach))
+    marked.update(_reach(ends, c.pred, lambda m: m in reach))
     for m in marked:
-        src = next((p for p in pred[m] if p in deny or p in marked), None)
-        info[m].reason = SPREAD.format(src.name if src is not None else "?")
+        src = next((p for p in c.pred[m] if p in deny or p in marked), None)
+        c.info[m].reason = SPREAD.format(src.name if src is not None else "?")
         deny[m] = None
 
-    # 3. between allow nodes. Embedding lookups (Gather from a float initializer)
-    #    count as fp16 work: the table is stored FP16 and gathering is exact.
+
+def _between(c: _Canvas) -> None:
+    """Step 3: allow nodes, and the infer/clear/norm nodes on a path between two of them.
+    Embedding lookups (Gather from a float initializer) count as allow: the table is
+    stored FP16 and gathering is exact."""
     def embedding(n):
-        owner = g.owner_of(n.inputs[0]) if n.op_type == "Gather" else None
+        owner = c.g.owner_of(n.inputs[0]) if n.op_type == "Gather" else None
         return owner is not None and n.inputs[0] in owner.initializers
-    allow = dict.fromkeys(n for n in nodes if kind(n) == "allow" or (kind(n) == "clear" and embedding(n)))
-    down = _reach(allow, succ, free)
-    up = _reach(allow, pred, free)
-    allow.update(dict.fromkeys(m for m in down if m in up))
-    # 4. follow nodes after allow (through clear nodes), widest wins: only when every
-    #    float input that is not a constant already comes from fp16 work
-    fp32_in = _fp32_sources(ctx, g)
+    c.allow = dict.fromkeys(n for n in c.nodes if c.kind(n) == "allow" or (c.kind(n) == "clear" and embedding(n)))
+    down = _reach(c.allow, c.succ, c.free)
+    up = _reach(c.allow, c.pred, c.free)
+    c.allow.update(dict.fromkeys(m for m in down if m in up))
+
+
+def _after(c: _Canvas) -> None:
+    """Step 4: infer/clear nodes whose float inputs all come from allow work (constants
+    aside) join it, until nothing changes; an FP32 operand keeps them FP32 (widest wins)."""
+    fp32_in = _fp32_sources(c.ctx, c.g)
     changed = True
     while changed:
         changed = False
-        for n in nodes:
-            if n in allow or kind(n) not in ("infer", "clear"):
+        for n in c.nodes:
+            if n in c.allow or c.kind(n) not in ("infer", "clear"):
                 continue
-            ps = pred[n]
-            if ps and n not in fp32_in and all(p in allow for p in ps):
-                allow[n] = None
+            ps = c.pred[n]
+            if ps and n not in fp32_in and all(p in c.allow for p in ps):
+                c.allow[n] = None
                 changed = True
-    # 5. clear nodes connected to allow through clear nodes
-    is_clear = lambda m: kind(m) == "clear"  # noqa: E731
-    both = {k: succ[k] + pred[k] for k in succ}
-    allow.update(_reach(list(allow), both, is_clear))
-    ctx.lowered.update(allow)
-    for n in nodes:  # a norm node not between low-precision work is an FP32 island, as its class says
-        if kind(n) == "norm" and n not in allow:
-            info[n].cls, info[n].reason = "fp32", NORM_KEPT.format(n.op_type)
+
+
+def _clear(c: _Canvas) -> None:
+    """Step 5: clear nodes connected to allow work through clear nodes join it."""
+    both = {k: c.succ[k] + c.pred[k] for k in c.succ}
+    c.allow.update(_reach(list(c.allow), both, lambda m: c.kind(m) == "clear"))
+
+
+# the steps of the module docstring, in its order (tests/test_policy.py holds them equal)
+STEPS = [("islands", _islands), ("deny", _deny), ("between", _between), ("after", _after), ("clear", _clear)]
+
+
+def paint_graph(ctx, g):
+    c = _Canvas(ctx, g)
+    for _, step in STEPS:
+        step(c)
+    ctx.lowered.update(c.allow)
+    for n in c.nodes:  # a norm node not between low-precision work is an FP32 island, as its class says
+        if c.kind(n) == "norm" and n not in c.allow:
+            c.info[n].cls, c.info[n].reason = "fp32", NORM_KEPT.format(n.op_type)
 
 
 def paint(ctx):
