@@ -1,0 +1,106 @@
+"""The training step split in two, for data parallelism (issue 24): a gradient graph that
+each rank runs on its own batch, and an update graph that every rank runs on the gradients
+all ranks reduced.
+
+Both are cut out of the fused step graph (graphmp.train.step, built with expose_grads so
+the unscaled FP32 gradients are named tensors <weight>__grad), so they compute exactly what
+the fused step computes:
+
+  gradient graph  inputs: the batch, the labels, the weights, BN statistics, the loss
+                  scale (dynamic scaling) and the step counter where the loss reads it;
+                  outputs: the loss, every <weight>__grad, and each BN statistic's value
+                  after this batch (FP32).
+  update graph    inputs: every state tensor (weights, moments, counters, scale) plus the
+                  tensors the gradient graph gives (the reduced gradients and loss);
+                  outputs: the fused step's all_finite and every <state>__next.
+
+Every rank feeding the update graph the same reduced gradients and loss gets the same
+finite flag, so all ranks skip the same steps and keep the same loss scale. Gradient
+accumulation (accumulate, window of several batches) is not split: its state lives between
+the two halves.
+"""
+from __future__ import annotations
+
+import copy
+
+import onnx
+from onnx import helper
+
+from ..errors import GraphmpError
+from .builder import _subgraph_inputs
+
+GRAD = "__grad"
+
+
+def _needed(graph, outputs: list, stops: set) -> list:
+    """The nodes (in graph order) the outputs depend on, not looking past `stops`."""
+    prod = {o: n for n in graph.node for o in n.output}
+    keep, seen, todo = set(), set(), list(outputs)
+    while todo:
+        t = todo.pop()
+        if t in seen or t in stops:
+            continue
+        seen.add(t)
+        n = prod.get(t)
+        if n is None or id(n) in keep:
+            continue
+        keep.add(id(n))
+        todo.extend(x for x in n.input if x)
+        todo.extend(_subgraph_inputs(n))
+    return [n for n in graph.node if id(n) in keep]
+
+
+def _value_infos(model) -> dict:
+    inferred = onnx.shape_inference.infer_shapes(model)
+    g = inferred.graph
+    return {v.name: v for v in list(g.value_info) + list(g.input) + list(g.output)}
+
+
+def _sub_model(model, nodes: list, inputs: list, outputs: list, infos: dict, name: str):
+    """A model holding `nodes`, reading `inputs` (+ the initializers they use), writing `outputs`."""
+    g = model.graph
+    used = {x for n in nodes for x in list(n.input) + list(_subgraph_inputs(n))}
+    missing = [x for x in inputs if x not in infos]
+    if missing:
+        raise GraphmpError(f"the step graph does not declare the type of {missing[:3]}; cannot split it")
+    graph = helper.make_graph([copy.deepcopy(n) for n in nodes], name,
+                              [copy.deepcopy(infos[x]) for x in inputs if x in used or x in outputs],
+                              [copy.deepcopy(infos[y]) for y in outputs],
+                              [copy.deepcopy(t) for t in g.initializer if t.name in used])
+    out = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    return out
+
+
+def split_step(model, meta: dict) -> tuple:
+    """(gradient model, update model, the tensors the gradient graph hands over) of a fused
+    step graph built with expose_grads (meta: its train.json dict)."""
+    cfg = meta["config"]
+    if int(cfg.get("grad_accum", 1) or 1) > 1:
+        raise GraphmpError("a step with gradient accumulation (--accumulate) cannot be split for data "
+                           "parallelism: build it without --accumulate and raise the batch or the ranks instead")
+    weights = list(meta["weights"])
+    grads = [w + GRAD for w in weights]
+    produced = {o for n in model.graph.node for o in n.output}
+    if any(gname not in produced for gname in grads):
+        raise GraphmpError("the step graph exposes no gradients; build it with expose_grads (--expose-grads)")
+    loss = meta["loss_output"]
+    prod = {o: n for n in model.graph.node for o in n.output}
+    bn_new = []
+    for s in meta["state"]:
+        if s["kind"] == "bn":  # X__next = Where(finite, new value, X): the new value comes from the forward
+            bn_new.append(prod[s["output"]].input[1])
+    handed = [loss] + grads + bn_new
+    infos = _value_infos(model)
+    inputs = [v.name for v in model.graph.input]
+    grad_nodes = _needed(model.graph, handed, set())
+    grad_model = _sub_model(model, grad_nodes, inputs, handed, infos, "gradients")
+    outputs = [o.name for o in model.graph.output if not o.name.endswith(GRAD) and o.name != loss]
+    update_nodes = _needed(model.graph, outputs, set(handed))
+    state_inputs = [s["input"] for s in meta["state"]]
+    update_model = _sub_model(model, update_nodes, state_inputs + handed, outputs, infos, "update")
+    reads = {x for n in update_nodes for x in list(n.input) + list(_subgraph_inputs(n))}
+    stray = sorted(reads & (set(inputs) - set(state_inputs)))
+    if stray:
+        raise GraphmpError(f"the update half of the step reads {stray[:3]} beyond the state and the gradients; "
+                           "this step cannot be split (please report it with the model)")
+    return grad_model, update_model, handed
