@@ -198,3 +198,15 @@ def test_the_shipped_digits_teach_the_shipped_mnist_model(tmp_path):
     export(run, str(tmp_path / "out.onnx"), precision="mixed")
     after = accuracy(tmp_path / "out.onnx")
     assert after >= before + 0.1, (before, after)
+
+
+def test_an_output_declared_with_the_wrong_rank_follows_the_graph(tmp_path):
+    """ddddocr's CTC logits are declared [1, seqlen] and computed [T, 1, V]: the build shapes
+    labels and loss after what the graph gives, and says so."""
+    w = numpy_helper.from_array(np.ones((4, 3), np.float32) * 0.1, "w")
+    p = _save(tmp_path, [helper.make_node("MatMul", ["x", "w"], ["y"])],
+              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])], [w], "liar")
+    meta = build_step(p, str(tmp_path / "run"), loss="mse")
+    assert any("is declared ['n'] but the graph gives ['n', 3]" in w for w in meta["warnings"]), meta["warnings"]
+    assert meta["label"]["shape"] == ["n", 3]

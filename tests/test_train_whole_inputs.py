@@ -7,6 +7,8 @@ fed "samples on the first axis". The data gives such an array whole: once (fed w
 batch) or once per sample (then each step is one sample). Checked against the model itself run
 in ONNX Runtime with the same feeds.
 """
+import os
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -131,14 +133,14 @@ def test_mse_labels_that_do_not_fit_the_output_are_named_with_the_fix(tmp_path, 
     # mixed: the calibration run finds it while building, and measures the real shape
     with pytest.raises(GraphmpError, match=r"labels \[3\] on a generated batch.*--label-shape 3"):
         build_step(path, str(tmp_path / "mixed"), loss="mse", precision="mixed")
-    # fp32: found by the first step, one line naming the labels and the shape that fits
-    run = str(tmp_path / "run")
-    build_step(path, run, loss="mse", precision="fp32", optimizer="sgd", lr=0.1)
-    x = np.random.default_rng(1).normal(size=(8, 4)).astype(np.float32)
-    np.savez(tmp_path / "d.npz", x=x, labels=np.zeros(8, np.float32))
-    assert main(["train", run, "--data", str(tmp_path / "d.npz"), "--batch-size", "2", "-q"]) == 2
+    # fp32: found while the build proves its step on a generated batch, the same one line
+    # (before the proof, only the first training step found it)
+    assert main(["train-graph", path, "-o", str(tmp_path / "run"), "--loss", "mse", "--precision", "fp32",
+                 "--optimizer", "sgd", "--lr", "0.1", "-q"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("graphmp: error:") and "'labels' has shape [2]" in err and "--label-shape 3" in err, err
+    assert err.startswith("graphmp: error:") and "labels [3] on a generated batch" in err and "--label-shape 3" in err
+    assert not os.path.exists(tmp_path / "run" / "train.json")
+    x = np.random.default_rng(1).normal(size=(8, 4)).astype(np.float32)
     # with the real shape, the labels are whole per sample: one sample per step, and its loss is
     # the model's own mse on that sample
     run3 = str(tmp_path / "run3")

@@ -195,11 +195,15 @@ def _smoothed(b: Builder, cfg, scores, nll, weights, eps) -> str:
     return b.op("Add", [b.op("Mul", [nll, b.const(1.0 - eps)]), b.op("Mul", [smooth, coef])], out=LOSS)
 
 
+class LabelMismatch(GraphmpError):
+    """The labels a build would ask for contradict what the model's output really is."""
+
+
 def label_mismatch(path: str, cfg: dict, label_dims, want) -> GraphmpError:
     """The error for a label shape (from the output's declared shape, or --label-shape) that
     contradicts the labels the output really needs (`want`, measured on a generated batch)."""
     what = "one target per element of" if cfg["loss"] != "cross-entropy" else "a class index per position of"
-    return GraphmpError(f"{path}: the loss needs {what} output '{cfg['output']}', i.e. labels {list(want)} on a "
+    return LabelMismatch(f"{path}: the loss needs {what} output '{cfg['output']}', i.e. labels {list(want)} on a "
                         f"generated batch, but the label shape is {list(label_dims)} (from the output's declared "
                         f"shape or --label-shape). Pass the real shape: --label-shape {','.join(map(str, want))} "
                         "(label_shape=...; a name such as N for the batch axis), and give labels of that shape.")

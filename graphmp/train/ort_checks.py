@@ -58,9 +58,14 @@ def calibration_batch(src, base_dir, shapes, path, cfg, label_dims, label_elem, 
     if cfg["loss"] == "cross-entropy":
         del want[losses.class_axis(cfg, len(out), path)]
     expected = [d if isinstance(d, int) else sizes.get(d) for d in label_dims]
+    shape = want
     if len(expected) != len(want) or any(e is not None and e != w for e, w in zip(expected, want)):
-        raise losses.label_mismatch(path, cfg, label_dims, want)
-    feeds[cfg["label_name"]] = np.zeros(want, dtype=helper.tensor_dtype_to_np_dtype(label_elem))
+        # labels [N, 1] for an output [N]: the same values with a unit axis, which the loss reshapes
+        unit_axes_only = None not in expected and [e for e in expected if e != 1] == [w for w in want if w != 1]
+        if not unit_axes_only:
+            raise losses.label_mismatch(path, cfg, label_dims, want)
+        shape = expected
+    feeds[cfg["label_name"]] = np.zeros(shape, dtype=helper.tensor_dtype_to_np_dtype(label_elem))
     feeds.update(state)
     return feeds
 

@@ -226,6 +226,7 @@ def _forward_graph(s: _Source, cfg: dict, shapes):
         # Resize / SAME-padding gradients need the input lengths, which --shapes gives
         pin_inputs(fwd, shapes)
         cfg["pinned_shapes"] = shapes if isinstance(shapes, str) else {k: list(v) for k, v in shapes.items()}
+    _redeclare_output_rank(fwd, s, cfg)
     # ranks that onnx inference loses (a Reshape to a computed shape): measured in ONNX Runtime at
     # the build's shapes and declared, dims only where they do not follow the free input dims
     measured = declare_measured(fwd, shapes, where=s.path, base_dir=s.base,
@@ -235,12 +236,40 @@ def _forward_graph(s: _Source, cfg: dict, shapes):
     return fwd, measured
 
 
+def _redeclare_output_rank(fwd, s: _Source, cfg: dict) -> None:
+    """An exporter may declare the loss's output with a rank the graph does not give (ddddocr's
+    CTC logits declared [1, seqlen], computed [T, 1, V]). Where onnx inference, without the
+    declaration, finds another rank, the forward graph declares what inference found; the
+    build then shapes labels and loss after the real output, and train.json says so
+    (cfg["output_redeclared"], turned into a warning)."""
+    out = next((o for o in fwd.graph.output if o.name == s.out_name), None)
+    declared = dims(out)
+    if out is None or declared is None:
+        return
+    probe = copy.deepcopy(fwd)
+    for o in probe.graph.output:
+        if o.name == s.out_name:
+            o.type.tensor_type.ClearField("shape")
+    try:
+        g = onnx.shape_inference.infer_shapes(probe).graph
+    except Exception:  # noqa: BLE001 - onnx inference fails on many exports; keep what is declared
+        return
+    inferred = next((dims(v) for v in list(g.output) + list(g.value_info) if v.name == s.out_name), None)
+    if inferred is None or len(inferred) == len(declared):
+        return
+    out.type.tensor_type.ClearField("shape")
+    out.type.tensor_type.shape.dim.extend(
+        onnx.TensorShapeProto.Dimension(**({"dim_value": d} if isinstance(d, int) else {"dim_param": d or ""}))
+        for d in inferred)
+    cfg["output_redeclared"] = {"declared": declared, "graph_gives": inferred}
+
+
 def _output_dims(s: _Source, fwd, cfg: dict) -> list | None:
     """Needs the source and the forward graph. Gives the dims of the output fed to the loss,
     refusing one that is not FP32, and (cross-entropy) one that comes out of a Softmax."""
     path, out_name = s.path, s.out_name
     out_vi = value_info(s.model, out_name)
-    if dims(out_vi) is None:  # the output is one of the measured tensors
+    if dims(out_vi) is None or "output_redeclared" in cfg:  # measured, or declared again from the graph
         out_vi = value_info(fwd, out_name) or out_vi
     if out_vi is not None and out_vi.type.tensor_type.elem_type != TensorProto.FLOAT:
         floats = [o.name for o in s.model.graph.output if o.type.tensor_type.elem_type == TensorProto.FLOAT]
@@ -272,8 +301,12 @@ def _forward_and_loss(s: _Source, cfg: dict, config: StepConfig) -> _Forward:
     except GraphmpError as e:
         raise with_measure_note(e, measured, s.path) from None
     loss_t = losses.add_loss(fwd, Builder(fwd), cfg, out_dims, label_dims, label_elem)
-    note = losses.class_axis_warning(cfg, out_dims, s.path)
-    return _Forward(fwd, measured, label_dims, label_elem, running, loss_t, warnings=[note] if note else [])
+    notes = [losses.class_axis_warning(cfg, out_dims, s.path)]
+    redeclared = cfg.pop("output_redeclared", None)
+    if redeclared:
+        notes.append(f"{s.path}: output '{s.out_name}' is declared {redeclared['declared']} but the graph gives "
+                     f"{redeclared['graph_gives']}; labels and loss follow the graph ({out_dims})")
+    return _Forward(fwd, measured, label_dims, label_elem, running, loss_t, warnings=[n for n in notes if n])
 
 
 def _select_weights(s: _Source, f: _Forward, trainable: str | None) -> None:
@@ -476,29 +509,34 @@ def _finish(s: _Source, f: _Forward, st: _State, cfg: dict, config: StepConfig, 
     it), makes the inference graph for eval/export (the source model, trained tensors as
     inputs) and writes the run (train.json last); gives the train.json dict."""
     _check_no_fp16_state(f.model, f.weights, s.path)
+    _generated_batch(s, f, cfg, config)  # before the load: a label shape the real output contradicts says so
     check_runs(f.model, s.path, bf16=cfg["precision"] == "bf16")
     infer = copy.deepcopy(s.model)
     lift_to_inputs(infer, f.weights + f.bn_stats)
-    _prove(s, f, st, cfg, config, infer)
+    if f.generated is not None:
+        prove_runs(f.model, infer, s.path, f.generated, st.init, f.weights + f.bn_stats,
+                   bf16=cfg["precision"] == "bf16")
     warnings, src_check = _source_check_warnings(s)
     meta = _meta(s, f, st, cfg, config.expose_grads, f.warnings + warnings)
     write_run(out_dir, f.model, infer, st.init, meta, full=src_check is None)
     return meta
 
 
-def _prove(s: _Source, f: _Forward, st: _State, cfg: dict, config: StepConfig, infer) -> None:
-    """Needs the finished step and inference graphs. Runs one step and one inference on a
-    generated batch of the build's shapes (ort_checks.prove_runs). Where the source itself
-    cannot run on generated inputs (its inputs need real values), the step is left to the
-    first batch, as before."""
-    if f.generated is None:
-        try:
-            f.generated = calibration_batch(s.model, s.base, config.shapes, s.path, cfg, f.label_dims,
-                                            f.label_elem, {})
-        except GraphmpError:
-            return
-    prove_runs(f.model, infer, s.path, f.generated, st.init, f.weights + f.bn_stats,
-               bf16=cfg["precision"] == "bf16")
+def _generated_batch(s: _Source, f: _Forward, cfg: dict, config: StepConfig) -> None:
+    """Needs the loss's label shape. Sets f.generated (once): a generated batch of the build's
+    shapes with labels shaped after the output it really gives (calibration_batch), which
+    proves the finished graphs (ort_checks.prove_runs). A label shape that output contradicts
+    (an exporter's declared shape that is not the real one) is the build's error, naming the
+    --label-shape that fits; a source that cannot run on generated inputs (its inputs need
+    real values) leaves the proof to the first batch."""
+    if f.generated is not None:
+        return
+    try:
+        f.generated = calibration_batch(s.model, s.base, config.shapes, s.path, cfg, f.label_dims, f.label_elem, {})
+    except losses.LabelMismatch:
+        raise
+    except GraphmpError:
+        f.generated = None
 
 
 def _resolve_config(config: StepConfig | None, options: dict, path: str) -> StepConfig:
