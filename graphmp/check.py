@@ -25,6 +25,7 @@ never ONNX Runtime's traceback.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -247,93 +248,189 @@ def _batches(ref, data, shapes, seed, run_ref, flag: str = "--data"):
     return out, f"{len(out)} batch(es) of user data"
 
 
-def check(ref, converted, data=None, *, shapes=None, max_error=DEFAULT, metric: str = "max-rel",
-          atol: float | None = None, rtol: float | None = None, seed: int = 0,
-          oracle: str = "emulation", data_flag: str = "--data") -> CheckReport:
+@dataclass
+class CheckOptions:
+    """How `check` judges: its keyword arguments (the flags of `graphmp check --help`).
+    data_flag is the option that gives data in the command that asked (check: --data,
+    convert: --calibration), named in the report's description of generated inputs."""
+    shapes: object = None               # --shapes for generated inputs ('x:1x3x640x640,...' or {name: dims})
+    max_error: object = DEFAULT         # --max-error: a number, "auto[:K]", "tf32" or "floor[:K]"
+    metric: str = "max-rel"             # --metric: max-rel, max-abs or argmax
+    atol: float | None = None           # --atol/--rtol: an element-wise criterion on top of the budget
+    rtol: float | None = None
+    seed: int = 0                       # the seed of generated inputs
+    oracle: str = "emulation"           # --oracle: emulation or reference (ORACLES)
+    data_flag: str = "--data"
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> "CheckOptions":
+        """Options from check()'s keyword arguments: an unknown one is a TypeError, a bad
+        --max-error or --oracle a GraphmpError naming the flag."""
+        names = set(cls.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"check() got unknown option(s) {unknown}; options: {sorted(names)}")
+        o = cls(**kwargs)
+        parse(o.max_error)
+        if o.oracle not in ORACLES:
+            raise GraphmpError(f"--oracle must be one of {', '.join(ORACLES)}, not '{o.oracle}'")
+        return o
+
+
+def check(ref, converted, data=None, **options) -> CheckReport:
     """Compare `converted` against the FP32 `ref` (paths or ModelProtos) on `data` (an
     .npz path, a dict of inputs, a list of them, or None for generated inputs whose
     dynamic dims come from `shapes` ('x:1x3x640x640,...') or a trial run), judged by
     `oracle` ("emulation" or "reference", see the module docstring).
 
-    An output passes when it gains no inf/NaN and its error under `metric` is within
-    `max_error` (a number, "auto[:K]", "tf32" or "floor[:K]", as --max-error of convert;
-    the default "auto": max(1e-2 for max-rel, 2 x the TF32 error, 2 x the FP16-input
-    floor), see graphmp.budget); atol/rtol add an element-wise criterion."""
-    parse(max_error)
-    if oracle not in ORACLES:
-        raise GraphmpError(f"--oracle must be one of {', '.join(ORACLES)}, not '{oracle}'")
-    # the graphs (weights by reference, not parsed): clear errors for bad files, interface, inputs
-    ref_graph = ref if isinstance(ref, onnx.ModelProto) else load_model(ref, by_reference=True)
-    conv_graph = converted if isinstance(converted, onnx.ModelProto) else load_model(converted, by_reference=True)
-    names = {"reference": str(ref) if not isinstance(ref, onnx.ModelProto) else "<model>",
-             "converted": str(converted) if not isinstance(converted, onnx.ModelProto) else "<model>",
-             "atol": atol, "rtol": rtol, "max_error": str(max_error), "metric": metric}
-    _same_interface(ref_graph, conv_graph, names)
+    Options (CheckOptions, checked before any work): shapes, max_error, metric, atol,
+    rtol, seed, oracle, data_flag. An output passes when it gains no inf/NaN and its
+    error under `metric` is within `max_error` (a number, "auto[:K]", "tf32" or
+    "floor[:K]", as --max-error of convert; the default "auto": max(1e-2 for max-rel,
+    2 x the TF32 error, 2 x the FP16-input floor), see graphmp.budget); atol/rtol add
+    an element-wise criterion."""
+    opts = CheckOptions.from_kwargs(options)
+    ref_graph, names = _open_pair(ref, converted, opts)
     valid = validity(converted, ref)
     if not valid["valid"]:
         return CheckReport(dict(names, oracle="not run: the converted model is invalid", batches=0, outputs={},
                                 passed=False, warnings=[], validity=valid, inputs=None))
+    run_ref = _reference_runner(ref, names)
+    batches, described = _batches(ref_graph, data, opts.shapes, opts.seed, run_ref, opts.data_flag)
+    warnings: list = []
+    runs = _Runs(_named(run_ref, f"{names['reference']}: ONNX Runtime cannot run the FP32 reference on these inputs"),
+                 _emulation_runner(converted, names), _cuda_runner(converted, warnings))
+    wants, gots, cudas, judged_by = _run_batches(ref, converted, batches, runs, opts.oracle, warnings)
+    budget = _budget(ref, batches, wants, opts, names)
+    merged = _merge(_compare_all(wants, gots, cudas, budget, opts, names), budget)
+    passed = all(o["passed"] for o in merged.values())
+    return CheckReport(dict(names, oracle=judged_by, batches=len(batches), inputs=described, outputs=merged,
+                            budget=budget.to_dict(), passed=passed, warnings=list(dict.fromkeys(warnings)),
+                            validity=valid, blame=None if passed else _blame(ref, converted, batches[0], data)))
+
+
+def _open_pair(ref, converted, opts: CheckOptions) -> tuple:
+    """(the reference's graph, the report's header fields): both graphs loaded (weights
+    by reference, not parsed), so a bad file is a clear error, and the converted model
+    checked for the reference's inputs and outputs."""
+    ref_graph = ref if isinstance(ref, onnx.ModelProto) else load_model(ref, by_reference=True)
+    conv_graph = converted if isinstance(converted, onnx.ModelProto) else load_model(converted, by_reference=True)
+    names = {"reference": str(ref) if not isinstance(ref, onnx.ModelProto) else "<model>",
+             "converted": str(converted) if not isinstance(converted, onnx.ModelProto) else "<model>",
+             "atol": opts.atol, "rtol": opts.rtol, "max_error": str(opts.max_error), "metric": opts.metric}
+    _same_interface(ref_graph, conv_graph, names)
+    return ref_graph, names
+
+
+def _reference_runner(ref, names: dict):
+    """ONNX Runtime CPU on the FP32 `ref`, unoptimised as the emulation is (ORT's fusions
+    are not FP16 error); a one-line GraphmpError when it cannot load."""
     try:
-        run_ref = runner(ref, optimize=False)  # as the emulation: ORT's fusions are not FP16 error
+        return runner(ref, optimize=False)
     except Exception as e:  # noqa: BLE001
         raise GraphmpError(f"{names['reference']}: ONNX Runtime cannot load the FP32 reference ({first_line(e)})") from None
-    batches, described = _batches(ref_graph, data, shapes, seed, run_ref, data_flag)
-    run_ref = _named(run_ref, f"{names['reference']}: ONNX Runtime cannot run the FP32 reference on these inputs")
+
+
+def _emulation_runner(converted, names: dict):
+    """The FP16 emulation of `converted` (graphmp.emulate) as a _named runner; a one-line
+    GraphmpError when the emulation's copy of the model does not load."""
     try:
-        run_emu = _named(emulated_runner(converted), f"{names['converted']}: the FP16 emulation (ONNX Runtime CPU) "
-                         "cannot run the converted model on these inputs")
+        return _named(emulated_runner(converted), f"{names['converted']}: the FP16 emulation (ONNX Runtime CPU) "
+                      "cannot run the converted model on these inputs")
     except GraphmpError:
         raise
     except Exception as e:  # noqa: BLE001 - ORT loaded the model above; the emulation's copy is refused
         raise GraphmpError(f"{names['converted']}: the FP16 emulation (ONNX Runtime CPU) cannot load the converted "
                            f"model ({first_line(e)})") from None
-    run_cuda = None
-    warnings = []
-    if cuda_available():
-        try:
-            run_cuda = runner(converted, providers=[CUDA])
-            got = ran_on(run_cuda.session)
-            if got != CUDA:
-                warnings.append(f"ORT CUDA was asked for but the session runs on {got}: no CUDA row")
-                run_cuda = None
-        except Exception as e:  # noqa: BLE001
-            warnings.append(f"ORT CUDA could not load the model: {first_line(e)}")
 
-    def full(m):  # the reference evaluator needs the weights in memory
-        return m if isinstance(m, onnx.ModelProto) else onnx.load(os.fspath(m))
+
+def _cuda_runner(converted, warnings: list):
+    """ORT CUDA on `converted` where a GPU is present, else None; a session that does not
+    load or that came up on another provider is None with a line in `warnings`."""
+    if not cuda_available():
+        return None
+    try:
+        run_cuda = runner(converted, providers=[CUDA])
+        got = ran_on(run_cuda.session)
+        if got != CUDA:
+            warnings.append(f"ORT CUDA was asked for but the session runs on {got}: no CUDA row")
+            return None
+        return run_cuda
+    except Exception as e:  # noqa: BLE001
+        warnings.append(f"ORT CUDA could not load the model: {first_line(e)}")
+        return None
+
+
+@dataclass
+class _Runs:
+    """The runners of one check (feeds -> outputs): the FP32 reference (ORT CPU), the
+    converted model's FP16 emulation, and ORT CUDA on it (None: no GPU, or it failed)."""
+    ref: object
+    emu: object
+    cuda: object = None
+
+
+def _run_batches(ref, converted, batches: list, runs: _Runs, oracle: str, warnings: list) -> tuple:
+    """(wants, gots, cudas, judged_by): per batch the reference's outputs, the converted
+    model's by `oracle` (onnx.reference, or the emulation where that cannot judge, from
+    then on) and ORT CUDA's ([] when it has none or failed once); judged_by says which
+    oracle judged. Why the reference was not used goes into `warnings`."""
     judged_by = EMULATION if oracle == "emulation" else REFERENCE
     wants, gots, cudas = [], [], []
     for feeds in batches:
-        want = run_ref(feeds)
+        want = runs.ref(feeds)
         got = None
         if judged_by == REFERENCE:
-            try:
-                self_check = run_reference(full(ref), feeds)
-                if all(compare(want[k], self_check[k], 1e-4, 1e-3)["passed"] for k in want):
-                    got = run_reference(full(converted), feeds)
-                else:
-                    warnings.append("onnx.reference does not reproduce ONNX Runtime on the FP32 source; "
-                                    "the FP16 emulation judged instead")
-            except Exception as e:  # noqa: BLE001 - the reference evaluator lacks some ops/shapes
-                warnings.append(f"onnx.reference cannot run this model ({first_line(e)[:120]}); "
-                                "the FP16 emulation judged instead")
+            got = _reference_outputs(ref, converted, feeds, want, warnings)
             if got is None:
                 judged_by = EMULATION
         wants.append(want)
-        gots.append(got if got is not None else run_emu(feeds))
-        if run_cuda is not None:
+        gots.append(got if got is not None else runs.emu(feeds))
+        if runs.cuda is not None:
             try:
-                cudas.append(run_cuda(feeds))
+                cudas.append(runs.cuda(feeds))
             except Exception as e:  # noqa: BLE001 - no CUDA rows then, said in the warnings
                 warnings.append(f"ORT CUDA could not run the converted model: {first_line(e)}")
-                run_cuda, cudas = None, []
+                runs.cuda, cudas = None, []
+    return wants, gots, cudas, judged_by
+
+
+def _in_memory(m):
+    """The model as a ModelProto with its weights: the reference evaluator needs them in memory."""
+    return m if isinstance(m, onnx.ModelProto) else onnx.load(os.fspath(m))
+
+
+def _reference_outputs(ref, converted, feeds: dict, want: dict, warnings: list) -> dict | None:
+    """The converted model's outputs on `feeds` by onnx.reference (the ideal kernel), or
+    None with a line in `warnings` when onnx.reference does not reproduce ONNX Runtime's
+    `want` on the FP32 source or cannot run the model."""
     try:
-        budget = measure(ref, batches, wants, max_error, metric)
+        self_check = run_reference(_in_memory(ref), feeds)
+        if all(compare(want[k], self_check[k], 1e-4, 1e-3)["passed"] for k in want):
+            return run_reference(_in_memory(converted), feeds)
+        warnings.append("onnx.reference does not reproduce ONNX Runtime on the FP32 source; "
+                        "the FP16 emulation judged instead")
+    except Exception as e:  # noqa: BLE001 - the reference evaluator lacks some ops/shapes
+        warnings.append(f"onnx.reference cannot run this model ({first_line(e)[:120]}); "
+                        "the FP16 emulation judged instead")
+    return None
+
+
+def _budget(ref, batches: list, wants: list, opts: CheckOptions, names: dict):
+    """The error budget per output (graphmp.budget.measure under max_error and metric);
+    a one-line GraphmpError when the reference cannot run for it."""
+    try:
+        return measure(ref, batches, wants, opts.max_error, opts.metric)
     except GraphmpError:
         raise
     except Exception as e:  # noqa: BLE001 - the budget runs the reference (inputs rounded to FP16, TF32)
         raise GraphmpError(f"{names['reference']}: ONNX Runtime cannot run the FP32 reference to measure the error "
                            f"budget ({first_line(e)})") from None
+
+
+def _compare_all(wants: list, gots: list, cudas: list, budget, opts: CheckOptions, names: dict) -> dict:
+    """{output (+ ' [ORT CUDA]'): [compare() row per batch]}; a GraphmpError when an
+    output of the reference is missing from the converted model's outputs."""
     outputs: dict = {}
     for i, want in enumerate(wants):
         for label, got in [("", gots[i])] + ([(" [ORT CUDA]", cudas[i])] if cudas else []):
@@ -341,8 +438,15 @@ def check(ref, converted, data=None, *, shapes=None, max_error=DEFAULT, metric: 
                 if k not in got:
                     raise GraphmpError(f"{names['converted']}: output '{k}' of the reference is missing from the "
                                        "converted model")
-                row = compare(want[k], got[k], atol, rtol, allowed=budget.allowed.get(k), metric=metric)
+                row = compare(want[k], got[k], opts.atol, opts.rtol, allowed=budget.allowed.get(k),
+                              metric=opts.metric)
                 outputs.setdefault(k + label, []).append(row)
+    return outputs
+
+
+def _merge(outputs: dict, budget) -> dict:
+    """One row per output from its per-batch rows (_compare_all): the worst error and
+    differences, the mean argmax agreement, every batch's error when there are several."""
     merged = {}
     for k, rows in outputs.items():
         agrees = [r["argmax_agree"] for r in rows if r["argmax_agree"] is not None]
@@ -354,10 +458,7 @@ def check(ref, converted, data=None, *, shapes=None, max_error=DEFAULT, metric: 
                      "argmax_agree": float(np.mean(agrees)) if agrees else None,
                      "per_batch": errs if len(errs) > 1 else None,  # the spread the verdict's max hides
                      "passed": all(r["passed"] for r in rows)}
-    passed = all(o["passed"] for o in merged.values())
-    return CheckReport(dict(names, oracle=judged_by, batches=len(batches), inputs=described, outputs=merged,
-                            budget=budget.to_dict(), passed=passed, warnings=list(dict.fromkeys(warnings)),
-                            validity=valid, blame=None if passed else _blame(ref, converted, batches[0], data)))
+    return merged
 
 
 def _blame(ref, converted, feeds, data) -> dict | None:

@@ -418,94 +418,163 @@ def find_shapes(model: onnx.ModelProto, run, given=None, *, where: str = "<model
     given = parse_shapes(given)
     check_shapes(specs, given, where)
     hints = value_hints(model)
-    preferred = metadata_sizes(model)
-    fixed: dict = {}       # named dim -> size given by --shapes
+    layout = _Layout(specs, given, _fixed_dims(specs, given, where))
+    vars_ = _free_dims(layout, metadata_sizes(model))
+    if not vars_:
+        return InputPlan(specs, layout.shapes_for({}), "given by --shapes" if given else "fixed by the model", hints)
+    trials = _Trials(layout, run, hints, max_trials, seconds)
+    base = {v.key: v.candidates[0] for v in vars_}
+    found = _first_that_runs(trials, vars_, base)
+    if found is None:
+        raise _no_shapes_error(where, trials, base)
+    dims = _batch_dims(trials, vars_, found)
+    n = len(trials.tried)
+    return InputPlan(specs, layout.shapes_for(found), f"found by {n} trial run{'s' if n > 1 else ''}", hints, dims, n)
+
+
+def _fixed_dims(specs: list[Spec], given: dict, where: str) -> dict:
+    """{named dim: size} that --shapes (`given`, parsed) fixes by giving an input that
+    names it; a GraphmpError when --shapes gives one named dim two sizes."""
+    fixed: dict = {}
     for s in specs:
         if s.name in given:
             for d, v in zip(s.dims, given[s.name]):
                 if isinstance(d, str):
                     if fixed.setdefault(d, v) != v:
                         raise GraphmpError(f"{where}: --shapes gives dim '{d}' two sizes ({fixed[d]} and {v})")
-    variables: dict = {}
-    for s in specs:
-        if s.name in given:
-            continue
-        for axis, d in enumerate(s.dims):
-            if isinstance(d, int) or (isinstance(d, str) and d in fixed):
-                continue
-            key = d if isinstance(d, str) else f"{s.name}[{axis}]"
-            role = _role(s, axis)
-            var = variables.setdefault(key, _Var(key, role, preferred=preferred.get(role, ())))
-            var.where.append((s.name, axis))
-    vars_ = list(variables.values())
+    return fixed
 
-    def shapes_for(assign: dict) -> dict:
+
+@dataclass
+class _Layout:
+    """Where each input's dims come from: --shapes for a whole input (`given`), a named
+    dim those fix (`fixed`), the model's own sizes, or an assignment of the free dims."""
+    specs: list
+    given: dict
+    fixed: dict
+
+    @staticmethod
+    def key(s: Spec, axis: int, d) -> str:
+        """The free dim's key: its name, or 'input[axis]' for an unnamed dim."""
+        return d if isinstance(d, str) else f"{s.name}[{axis}]"
+
+    def is_free(self, d) -> bool:
+        return not (isinstance(d, int) or (isinstance(d, str) and d in self.fixed))
+
+    def shapes_for(self, assign: dict) -> dict:
+        """{input: shape} with the free dims at `assign` ({key: size})."""
         out = {}
-        for s in specs:
-            if s.name in given:
-                out[s.name] = tuple(given[s.name])
+        for s in self.specs:
+            if s.name in self.given:
+                out[s.name] = tuple(self.given[s.name])
                 continue
             shape = []
             for axis, d in enumerate(s.dims):
                 if isinstance(d, int):
                     shape.append(d)
-                elif isinstance(d, str) and d in fixed:
-                    shape.append(fixed[d])
+                elif isinstance(d, str) and d in self.fixed:
+                    shape.append(self.fixed[d])
                 else:
-                    shape.append(assign[d if isinstance(d, str) else f"{s.name}[{axis}]"])
+                    shape.append(assign[self.key(s, axis, d)])
             out[s.name] = tuple(shape)
         return out
 
-    if not vars_:
-        return InputPlan(specs, shapes_for({}), "given by --shapes" if given else "fixed by the model", hints)
 
-    t0 = time.perf_counter()
-    tried: list = []
-    errors: list = []
+def _free_dims(layout: _Layout, preferred: dict) -> list[_Var]:
+    """The dims no one fixed, one _Var per key (in the order the inputs name them),
+    each with its role and the sizes the metadata prefers (`preferred`, metadata_sizes)."""
+    variables: dict = {}
+    for s in layout.specs:
+        if s.name in layout.given:
+            continue
+        for axis, d in enumerate(s.dims):
+            if not layout.is_free(d):
+                continue
+            key = layout.key(s, axis, d)
+            role = _role(s, axis)
+            var = variables.setdefault(key, _Var(key, role, preferred=preferred.get(role, ())))
+            var.where.append((s.name, axis))
+    return list(variables.values())
 
-    def attempt(assign, seed=0) -> bool:
+
+class _Trials:
+    """The trial runs of one find_shapes: `run` on generated inputs of an assignment's
+    shapes, each assignment at most once, within max_trials runs and `seconds`."""
+
+    def __init__(self, layout: _Layout, run, hints: dict, max_trials: int, seconds: float):
+        self.layout, self.run, self.hints = layout, run, hints
+        self.max_trials, self.seconds = max_trials, seconds
+        self.tried: list = []
+        self.errors: list = []       # the first line of each failed run's error
+        self.t0 = time.perf_counter()
+
+    def attempt(self, assign: dict, seed: int = 0) -> bool:
+        """Whether the model runs at `assign` (False, without a run, when tried before)."""
         key = tuple(sorted(assign.items()))
-        if key in tried:
+        if key in self.tried:
             return False
-        tried.append(key)
+        self.tried.append(key)
         try:
-            run(generate(specs, shapes_for(assign), seed, hints))
+            self.run(generate(self.layout.specs, self.layout.shapes_for(assign), seed, self.hints))
             return True
         except Exception as e:  # noqa: BLE001 - any failure of a trial means "not these shapes"
-            errors.append(first_line(e))
+            self.errors.append(first_line(e))
             return False
 
-    def out_of_budget() -> bool:
-        return len(tried) >= max_trials or time.perf_counter() - t0 > seconds
+    def out_of_budget(self) -> bool:
+        return len(self.tried) >= self.max_trials or time.perf_counter() - self.t0 > self.seconds
 
-    base = {v.key: v.candidates[0] for v in vars_}
-    found = base if attempt(base) else None
-    if found is None:  # one size at a time, the others at their first choice
-        for v in sorted(vars_, key=lambda v: _TRY_ORDER.index(v.role)):
-            for c in v.candidates[1:]:
-                if out_of_budget():
-                    break
-                cand = dict(base, **{v.key: c})
-                if attempt(cand):
-                    found = cand
-                    break
-            if found is not None or out_of_budget():
+
+def _first_that_runs(trials: _Trials, vars_: list[_Var], base: dict) -> dict | None:
+    """The first assignment that runs, or None: `base` (every dim at its first
+    choice), then one size at a time, then all sizes moving together."""
+    if trials.attempt(base):
+        return base
+    found = _one_at_a_time(trials, vars_, base)
+    return found if found is not None else _all_together(trials, vars_)
+
+
+def _one_at_a_time(trials: _Trials, vars_: list[_Var], base: dict) -> dict | None:
+    """Each dim through its candidates (cheap roles first, _TRY_ORDER), the others at
+    their first choice; the first assignment that runs, or None."""
+    for v in sorted(vars_, key=lambda v: _TRY_ORDER.index(v.role)):
+        for c in v.candidates[1:]:
+            if trials.out_of_budget():
                 break
-    if found is None:  # all sizes move together
-        for k in range(1, max(len(v.candidates) for v in vars_)):
-            if out_of_budget():
-                break
-            cand = {v.key: v.candidates[min(k, len(v.candidates) - 1)] for v in vars_}
-            if attempt(cand):
-                found = cand
-                break
-    if found is None:
-        dyn = ", ".join(s.name + s.show() for s in specs if any(not isinstance(d, int) for d in s.dims))
-        raise GraphmpError(f"{where}: could not find input shapes that run ({len(tried)} tried, e.g. "
-                           f"{shapes_for(base)}; ONNX Runtime said: {errors[0] if errors else '?'}). "
-                           f"Give them with --shapes NAME:DIMS,... for {dyn}, or pass real data (--calibration/--data)")
+            cand = dict(base, **{v.key: c})
+            if trials.attempt(cand):
+                return cand
+        if trials.out_of_budget():
+            break
+    return None
+
+
+def _all_together(trials: _Trials, vars_: list[_Var]) -> dict | None:
+    """Every dim at its k-th candidate (its last where it has fewer), k = 1, 2, ...;
+    the first assignment that runs, or None."""
+    for k in range(1, max(len(v.candidates) for v in vars_)):
+        if trials.out_of_budget():
+            break
+        cand = {v.key: v.candidates[min(k, len(v.candidates) - 1)] for v in vars_}
+        if trials.attempt(cand):
+            return cand
+    return None
+
+
+def _no_shapes_error(where: str, trials: _Trials, base: dict) -> GraphmpError:
+    """The one-line error when no tried assignment runs: how many were tried, the first
+    shapes, ONNX Runtime's first message, and the --shapes to give."""
+    specs = trials.layout.specs
+    dyn = ", ".join(s.name + s.show() for s in specs if any(not isinstance(d, int) for d in s.dims))
+    errors = trials.errors
+    return GraphmpError(f"{where}: could not find input shapes that run ({len(trials.tried)} tried, e.g. "
+                        f"{trials.layout.shapes_for(base)}; ONNX Runtime said: {errors[0] if errors else '?'}). "
+                        f"Give them with --shapes NAME:DIMS,... for {dyn}, or pass real data (--calibration/--data)")
+
+
+def _batch_dims(trials: _Trials, vars_: list[_Var], found: dict) -> tuple:
+    """(input, axis) of the batch dims when the model also runs at batch 2 (one more
+    trial, seed 1, from the `found` assignment); () when it has none or does not."""
     batch_vars = [v for v in vars_ if v.role == "batch"]
-    batch_free = bool(batch_vars) and attempt(dict(found, **{v.key: 2 for v in batch_vars}), seed=1)
-    n = len(tried)
-    dims = tuple(w for v in batch_vars for w in v.where) if batch_free else ()
-    return InputPlan(specs, shapes_for(found), f"found by {n} trial run{'s' if n > 1 else ''}", hints, dims, n)
+    batch_free = bool(batch_vars) and trials.attempt(dict(found, **{v.key: 2 for v in batch_vars}), seed=1)
+    return tuple(w for v in batch_vars for w in v.where) if batch_free else ()
