@@ -143,122 +143,178 @@ def compute_flops(n, shapes: dict) -> float | None:
 
 def cast_traffic(model, batch=None, casts_added: int | None = None) -> dict:
     """The report's cast_traffic entry for this (converted) model; batch: the first
-    calibration batch ({input name: array}) or None (declared shapes)."""
+    calibration batch ({input name: array}) or None (declared shapes).
+
+    Phases: the input shapes; the inferred skeleton (_infer); the type, shape, producer
+    and consumers of every tensor (_Facts); the bytes the Casts move (_cast_entries,
+    _traffic); the share of the compute in the low type (_compute_share)."""
     t0 = time.perf_counter()
     in_shapes, concrete, shapes_from = _input_shapes(model, batch)
     out = {"shapes": in_shapes, "shapes_from": shapes_from, "casts_added": casts_added}
+    skel, error = _infer(model, in_shapes)
+    inferred = error is None
+    if not inferred:
+        out["inference_error"] = error
+    facts = _Facts(skel, concrete)
+    casts, approximate, unavailable = _cast_entries(facts)
+    out.update(_traffic(casts, approximate, unavailable, inferred))
+    out.update(_compute_share(facts, inferred))
+    out["seconds"] = round(time.perf_counter() - t0, 4)
+    return out
+
+
+def _infer(model, in_shapes: dict):
+    """(the skeleton with the concrete input shapes, shape-inferred with data propagation
+    (the uninferred skeleton when inference fails), None or the inference error)."""
     skel = _skeleton(model, {k: v for k, v in in_shapes.items() if None not in v})
     try:
-        skel = onnx.shape_inference.infer_shapes(skel, strict_mode=False, data_prop=True)
-        inferred = True
+        return onnx.shape_inference.infer_shapes(skel, strict_mode=False, data_prop=True), None
     except Exception as e:  # noqa: BLE001 - the figures become unavailable, not the conversion
-        inferred, out["inference_error"] = False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return skel, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
-    shapes, types, producer, consumers = {}, {}, {}, {}
-    graphs = list(iter_graphs(skel.graph))
-    main_inputs = {v.name for v in skel.graph.input}
-    main_outputs = {v.name for v in skel.graph.output}
-    for gi, g in enumerate(graphs):
+
+class _Facts:
+    """What the inferred skeleton says of every tensor, over all its graphs (index 0: the
+    main graph): shapes {name: (dims with None where unknown, index of the graph that
+    gave them)}, types {name: elem type}, producer {name: op type}, consumers {name: [op
+    types]}; the main graph's input and output names; concrete: every main-graph input
+    dim known."""
+
+    def __init__(self, skel, concrete: bool):
+        self.concrete = concrete
+        self.graphs = list(iter_graphs(skel.graph))
+        self.main_inputs = {v.name for v in skel.graph.input}
+        self.main_outputs = {v.name for v in skel.graph.output}
+        self.shapes, self.types, self.producer, self.consumers = {}, {}, {}, {}
+        for gi, g in enumerate(self.graphs):
+            self._note_values(g, gi)
+            self._note_nodes(g, gi)
+
+    def _note_values(self, g, gi):
+        """Declared/inferred types and shapes of g's inputs, value_info and outputs (the
+        first all-known dims win), and of its initializers."""
         for v in list(g.input) + list(g.value_info) + list(g.output):
             tt = v.type.tensor_type
             if tt.elem_type:
-                types.setdefault(v.name, tt.elem_type)
+                self.types.setdefault(v.name, tt.elem_type)
             if tt.HasField("shape"):
                 dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in tt.shape.dim]
-                if v.name not in shapes or (None in shapes[v.name] and None not in dims):
-                    shapes[v.name] = (dims, gi)
+                if v.name not in self.shapes or (None in self.shapes[v.name] and None not in dims):
+                    self.shapes[v.name] = (dims, gi)
         for t in g.initializer:
-            types[t.name] = t.data_type
-            shapes[t.name] = (list(t.dims), gi)
+            self.types[t.name] = t.data_type
+            self.shapes[t.name] = (list(t.dims), gi)
+
+    def _note_nodes(self, g, gi):
+        """Producers and consumers of g's tensors; the type and shape of Constant outputs."""
         for n in g.node:
             for x in n.output:
-                producer[x] = n.op_type
+                self.producer[x] = n.op_type
             for x in n.input:
-                consumers.setdefault(x, []).append(n.op_type)
+                self.consumers.setdefault(x, []).append(n.op_type)
             if n.op_type == "Constant":
                 v = next((a.t for a in n.attribute if a.name == "value"), None)
                 if v is not None:
-                    types.setdefault(n.output[0], v.data_type)
-                    shapes.setdefault(n.output[0], (list(v.dims), gi))
+                    self.types.setdefault(n.output[0], v.data_type)
+                    self.shapes.setdefault(n.output[0], (list(v.dims), gi))
 
-    def dims_of(x, gi):
+    def dims_of(self, x, gi):
         """(filled dims or None, approximate, unavailable)."""
-        if x not in shapes:
-            return None, True, gi == 0 and not concrete
-        dims, where = shapes[x]
+        if x not in self.shapes:
+            return None, True, gi == 0 and not self.concrete
+        dims, where = self.shapes[x]
         if None not in dims:
             return dims, False, False
-        return [d or 1 for d in dims], True, where == 0 and not concrete
+        return [d or 1 for d in dims], True, where == 0 and not self.concrete
 
+
+def _cast_entries(f: _Facts) -> tuple[list, bool, bool]:
+    """(an entry per Cast of every graph (_cast_entry), any figure approximate, any
+    main-graph figure unavailable)."""
     approximate = unavailable = False
     casts = []
-    for gi, g in enumerate(graphs):
+    for gi, g in enumerate(f.graphs):
         for n in g.node:
             if n.op_type != "Cast" or not n.input or not n.output:
                 continue
-            to = next((a.i for a in n.attribute if a.name == "to"), 0)
-            src = types.get(n.input[0])
-            # the output's dims, or the input's where only they are all known (same count)
-            dims, approx, unavail = dims_of(n.output[0], gi)
-            if approx:
-                dims2, approx2, unavail2 = dims_of(n.input[0], gi)
-                if dims is None or (dims2 is not None and not approx2):
-                    dims, approx, unavail = dims2, approx2, unavail2
-            s_in, s_out = _itemsize(src) if src else None, _itemsize(to)
-            if dims is None or s_in is None or s_out is None:
-                approx = True
-                unavail |= gi == 0 and not concrete
-            elems = int(np.prod(dims)) if dims is not None else 1
-            nbytes = elems * ((s_in or 4) + (s_out or 4))
+            entry, approx, unavail = _cast_entry(f, gi, n)
             approximate |= approx
             unavailable |= unavail
-            boundary = gi == 0 and (n.input[0] in main_inputs or n.output[0] in main_outputs)
-            casts.append({"name": n.name, "graph": "main" if gi == 0 else f"body {gi}", "bytes": nbytes,
-                          "elements": elems, "from": _type_name(src) if src else "unknown", "to": _type_name(to),
-                          "producer": producer.get(n.input[0], "graph input" if n.input[0] in main_inputs
-                                                   else "initializer" if n.input[0] in types else "outer scope"),
-                          "consumers": sorted(set(consumers.get(n.output[0], [])))
-                          + (["graph output"] if n.output[0] in main_outputs else []),
-                          "boundary": boundary})
+            casts.append(entry)
+    return casts, approximate, unavailable
+
+
+def _cast_entry(f: _Facts, gi: int, n) -> tuple[dict, bool, bool]:
+    """(the entry of Cast n of graph gi: bytes moved, elements, types, producer and
+    consumers, boundary or not; its size approximate, its size unavailable)."""
+    to = next((a.i for a in n.attribute if a.name == "to"), 0)
+    src = f.types.get(n.input[0])
+    # the output's dims, or the input's where only they are all known (same count)
+    dims, approx, unavail = f.dims_of(n.output[0], gi)
+    if approx:
+        dims2, approx2, unavail2 = f.dims_of(n.input[0], gi)
+        if dims is None or (dims2 is not None and not approx2):
+            dims, approx, unavail = dims2, approx2, unavail2
+    s_in, s_out = _itemsize(src) if src else None, _itemsize(to)
+    if dims is None or s_in is None or s_out is None:
+        approx = True
+        unavail |= gi == 0 and not f.concrete
+    elems = int(np.prod(dims)) if dims is not None else 1
+    nbytes = elems * ((s_in or 4) + (s_out or 4))
+    boundary = gi == 0 and (n.input[0] in f.main_inputs or n.output[0] in f.main_outputs)
+    entry = {"name": n.name, "graph": "main" if gi == 0 else f"body {gi}", "bytes": nbytes,
+             "elements": elems, "from": _type_name(src) if src else "unknown", "to": _type_name(to),
+             "producer": f.producer.get(n.input[0], "graph input" if n.input[0] in f.main_inputs
+                                        else "initializer" if n.input[0] in f.types else "outer scope"),
+             "consumers": sorted(set(f.consumers.get(n.output[0], [])))
+             + (["graph output"] if n.output[0] in f.main_outputs else []),
+             "boundary": boundary}
+    return entry, approx, unavail
+
+
+def _traffic(casts: list, approximate: bool, unavailable: bool, inferred: bool) -> dict:
+    """The Cast fields of the entry: count, bytes (total, boundary, inside; None when
+    unavailable, with the reason), MB per inference, the TOP largest Casts."""
     total = sum(c["bytes"] for c in casts)
     boundary = sum(c["bytes"] for c in casts if c["boundary"])
     ok = inferred and not unavailable
-    out.update(casts=len(casts), approximate=bool(approximate),
-               unavailable=None if ok else ("shape inference failed" if not inferred else
-                                            "main-graph dims unknown without a calibration batch; calibration "
-                                            "(generated inputs, --shapes, or --calibration) gives them"),
-               bytes=total if ok else None, boundary_bytes=boundary if ok else None,
-               inside_bytes=total - boundary if ok else None,
-               mb_per_inference={"total": total / 1e6, "boundary": boundary / 1e6, "inside": (total - boundary) / 1e6}
-               if ok else None,
-               top=[{k: c[k] for k in ("name", "graph", "bytes", "elements", "from", "to", "producer", "consumers")}
-                    for c in sorted(casts, key=lambda c: -c["bytes"])[:TOP]] if ok else [])
+    return dict(casts=len(casts), approximate=bool(approximate),
+                unavailable=None if ok else ("shape inference failed" if not inferred else
+                                             "main-graph dims unknown without a calibration batch; calibration "
+                                             "(generated inputs, --shapes, or --calibration) gives them"),
+                bytes=total if ok else None, boundary_bytes=boundary if ok else None,
+                inside_bytes=total - boundary if ok else None,
+                mb_per_inference={"total": total / 1e6, "boundary": boundary / 1e6,
+                                  "inside": (total - boundary) / 1e6} if ok else None,
+                top=[{k: c[k] for k in ("name", "graph", "bytes", "elements", "from", "to", "producer", "consumers")}
+                     for c in sorted(casts, key=lambda c: -c["bytes"])[:TOP]] if ok else [])
 
-    # FLOPs of the compute ops, and the share whose output is in the low type
-    filled = {x: [d or 1 for d in dims] for x, (dims, _) in shapes.items()}
+
+def _compute_share(f: _Facts, inferred: bool) -> dict:
+    """The compute fields of the entry: FLOPs of the compute ops, those whose output is in
+    the low type, their share (None when unavailable), and whether approximate."""
+    filled = {x: [d or 1 for d in dims] for x, (dims, _) in f.shapes.items()}
     flops = low = 0.0
     flops_approx = flops_unavail = False
-    for gi, g in enumerate(graphs):
+    for gi, g in enumerate(f.graphs):
         for n in g.node:
             if n.op_type not in COMPUTE_OPS or n.domain not in ("", "ai.onnx"):
                 continue
-            f = compute_flops(n, filled)
-            used = [shapes[x][0] for x in list(n.output[:1]) + list(n.input[:2]) if x in shapes]
-            if f is None:
+            fl = compute_flops(n, filled)
+            used = [f.shapes[x][0] for x in list(n.output[:1]) + list(n.input[:2]) if x in f.shapes]
+            if fl is None:
                 flops_approx = True
-                flops_unavail |= gi == 0 and not concrete
+                flops_unavail |= gi == 0 and not f.concrete
                 continue
             if any(None in d for d in used):
                 flops_approx = True
-                flops_unavail |= gi == 0 and not concrete
-            flops += f
-            t = types.get(n.output[0]) or types.get(n.input[0])
-            low += f if t in LOW_TYPES else 0.0
+                flops_unavail |= gi == 0 and not f.concrete
+            flops += fl
+            t = f.types.get(n.output[0]) or f.types.get(n.input[0])
+            low += fl if t in LOW_TYPES else 0.0
     ok_flops = inferred and flops > 0 and not flops_unavail
-    out.update(compute_flops=flops if ok_flops else None, compute_flops_low=low if ok_flops else None,
-               compute_fp16_share=low / flops if ok_flops else None, compute_approximate=bool(flops_approx),
-               seconds=round(time.perf_counter() - t0, 4))
-    return out
+    return dict(compute_flops=flops if ok_flops else None, compute_flops_low=low if ok_flops else None,
+                compute_fp16_share=low / flops if ok_flops else None, compute_approximate=bool(flops_approx))
 
 
 def _size(b: float) -> str:

@@ -277,6 +277,22 @@ def convert(src, dst=None, **options) -> ConvertReport:
     of save_plan: its precisions, no search; graphmp/passes/plan_file.py), save_plan.
     """
     t0 = time.perf_counter()
+    ctx, had_external, t_load = _open(src, dst, options, t0)
+    mark = {p.key: p.value for p in ctx.model.metadata_props}.get(MARK_KEY)
+    if mark is not None:
+        return _already_converted(ctx, dst, mark, had_external, t0)
+    _run_passes(ctx, t_load)
+    _finish_report(ctx)
+    low = LowConverter(ctx.report.get("rounding", []))
+    if dst is None:
+        return _in_memory(ctx, src, low, t0)
+    return _write(ctx, dst, low, had_external, t0)
+
+
+def _open(src, dst, options: dict, t0: float):
+    """(the Ctx of the run, with the report's head in ctx.report; whether the source has
+    external data of its own; seconds the load took). Checks the options (a --plan file
+    is loaded and checked before any work) and --fp32-ops' names."""
     opts = Options.from_kwargs(options)
     if opts.plan is not None:  # checked before any work (graphmp/plan_read.py)
         opts.plan = load_plan(opts.plan)
@@ -286,29 +302,43 @@ def convert(src, dst=None, **options) -> ConvertReport:
     had_external = any(is_external(t) and not is_self_reference(t, path)
                        for g in iter_graphs(model.graph) for t in g.initializer)
     ctx = Ctx(model=model, options=opts, path=path, base_dir=base_dir)
-    report = {"graphmp_version": __version__, "source": path, "output": os.fspath(dst) if dst else None,
-              "target": opts.target, "keep_io_types": opts.keep_io_types}
-    ctx.report = report
+    ctx.report = {"graphmp_version": __version__, "source": path, "output": os.fspath(dst) if dst else None,
+                  "target": opts.target, "keep_io_types": opts.keep_io_types}
+    return ctx, had_external, t_load
 
-    mark = {p.key: p.value for p in model.metadata_props}.get(MARK_KEY)
-    if mark is not None:
-        report.update(already_converted=mark, seconds=time.perf_counter() - t0)
-        if opts.validate:
-            report["validation_skipped"] = ("the input is already converted; compare it with its FP32 source: "
-                                            f"graphmp check FP32_SOURCE.onnx {path}")
-        if dst is not None:
-            save_model(model, os.fspath(dst), base_dir, to_low,
-                       opts.external_data if opts.external_data is not None else had_external)
-            return ConvertReport(report)
-        return ConvertReport(report, model)
 
-    ctx.log(f"loaded {path}: {len(model.graph.node)} nodes")
+def _already_converted(ctx, dst, mark: str, had_external: bool, t0: float) -> ConvertReport:
+    """The report for a model graphmp already converted (its mark): nothing to do; with
+    dst, the model is saved there as it is."""
+    report, opts, model = ctx.report, ctx.options, ctx.model
+    report.update(already_converted=mark, seconds=time.perf_counter() - t0)
+    if opts.validate:
+        report["validation_skipped"] = ("the input is already converted; compare it with its FP32 source: "
+                                        f"graphmp check FP32_SOURCE.onnx {ctx.path}")
+    if dst is not None:
+        save_model(model, os.fspath(dst), ctx.base_dir, to_low,
+                   opts.external_data if opts.external_data is not None else had_external)
+        return ConvertReport(report)
+    return ConvertReport(report, model)
+
+
+def _run_passes(ctx, t_load: float):
+    """--pad-channels (report["padding"]), then PIPELINE; report["timings"]: the load and
+    each pass."""
+    report, opts = ctx.report, ctx.options
+    ctx.log(f"loaded {ctx.path}: {len(ctx.model.graph.node)} nodes")
     if opts.pad_channels:
         from .pad import pad_model
-        report["padding"] = pad_model(model, base_dir, opts.pad_channels)
+        report["padding"] = pad_model(ctx.model, ctx.base_dir, opts.pad_channels)
         ctx.log(f"padded {len(report['padding']['padded'])} layer dims to multiples of {opts.pad_channels}")
     report["timings"] = {"load": round(t_load, 4), **run_pipeline(ctx)}
-    model = ctx.model
+
+
+def _finish_report(ctx):
+    """After the passes: the weights before, the node counts (_report_nodes), the cast
+    traffic, the weights after, the warnings; the model gets graphmp's mark (read by
+    graphmp.session())."""
+    report, opts, model = ctx.report, ctx.options, ctx.model
     report["weight_bytes_before"] = report["prepare"]["weight_bytes"]  # Constant nodes counted as weights
     _report_nodes(ctx)
     t_casts = time.perf_counter()  # what the Casts move per inference; FP16 share of the compute (cast_cost.py)
@@ -322,28 +352,37 @@ def convert(src, dst=None, **options) -> ConvertReport:
                                                  "keep_io_types": opts.keep_io_types,
                                                  "ort_cuda_options": cuda_options(ctx)})  # for graphmp.session()
 
-    low = LowConverter(report.get("rounding", []))
-    if dst is None:
-        for g in iter_graphs(model.graph):
-            for t in g.initializer:
-                materialize(t, base_dir, low)
-        report["seconds"] = time.perf_counter() - t0
-        if opts.validate:
-            _validate(report, src, model, opts)
-        return ConvertReport(report, model)
 
+def _in_memory(ctx, src, low: LowConverter, t0: float) -> ConvertReport:
+    """No dst: deferred conversions done in memory; --validate against src; the report
+    with the model."""
+    report, opts, model = ctx.report, ctx.options, ctx.model
+    for g in iter_graphs(model.graph):
+        for t in g.initializer:
+            materialize(t, ctx.base_dir, low)
+    report["seconds"] = time.perf_counter() - t0
+    if opts.validate:
+        _validate(report, src, model, opts)
+    return ConvertReport(report, model)
+
+
+def _write(ctx, dst, low: LowConverter, had_external: bool, t0: float) -> ConvertReport:
+    """Save to dst (atomic, streaming; deferred conversions while writing), with external
+    data when asked, when the source had some, or near 2 GB; --validate against the
+    source path; the report."""
+    report, opts = ctx.report, ctx.options
     ext = opts.external_data
     if ext is None:
         ext = had_external or report["weight_bytes_after"] > int(TWO_GB * 0.9)
     report["external_data"] = bool(ext)
     ctx.log(f"writing {dst}{' with external data' if ext else ''}")
     t_write = time.perf_counter()
-    save_model(model, os.fspath(dst), base_dir, low, bool(ext),
+    save_model(ctx.model, os.fspath(dst), ctx.base_dir, low, bool(ext),
                progress=(lambda i, n: ctx.log(f"  tensor {i}/{n}")) if opts.verbose else None)
     report["timings"]["write"] = round(time.perf_counter() - t_write, 4)  # includes deferred conversions
     report["seconds"] = time.perf_counter() - t0
     if opts.validate:
-        _validate(report, path, os.fspath(dst), opts)
+        _validate(report, ctx.path, os.fspath(dst), opts)
     return ConvertReport(report)
 
 

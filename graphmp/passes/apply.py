@@ -1,6 +1,17 @@
 """apply: rewrite the graph to the painted precision plan.
 
 Needs: ctx.info (classify), ctx.lowered (paint), ctx.types.
+Steps (apply(), in order; each function's docstring says what it needs and gives):
+  1. _set_produced_types:   the type each lowered (or raised) node's outputs are produced
+                            in; without keep_io_types, the main graph's float inputs;
+  2. _collect_needs:        every (graph, consumer, slot, tensor, wanted type);
+  3. _convert_initializers: float initializers wanted in the low type, converted in place
+                            or as a second copy;
+  4. _keep_output_types:    graph outputs keep their declared types (a Cast back under
+                            the output's name);
+  5. _rewire_consumers:     source Casts from exact types straight to the low type; then
+                            every consumer reads its wanted type;
+  6. _retype_value_info:    value_info follows the new types.
 Guarantees:
 - a lowered node reads its retyped inputs in the target type and produces its retyped
   outputs in it; every other node reads exactly the types it read in the source, so
@@ -215,11 +226,25 @@ def _retarget_exact_casts(ctx, rw, graphs, needs):
 
 
 def apply(ctx):
+    """Rewrite the graph to the painted plan: the steps of the module docstring, in order.
+    Returns the Rewriter (casts_added, rounding)."""
     rw = Rewriter(ctx)
-    low = ctx.low
     graphs = list(ctx.root.walk())
+    _set_produced_types(ctx, rw, graphs)           # 1.
+    needs = _collect_needs(ctx, graphs)            # 2.
+    _convert_initializers(ctx, rw, needs)          # 3.
+    _keep_output_types(ctx, rw, graphs)            # 4.
+    _rewire_consumers(ctx, rw, graphs, needs)      # 5.
+    _retype_value_info(rw, graphs)                 # 6.
+    return rw
 
-    # 1. produced types of lowered (and raised) nodes' outputs, and of main-graph inputs without keep-io
+
+def _set_produced_types(ctx, rw, graphs):
+    """1. Needs ctx.info, ctx.lowered, ctx.types, options.keep_io_types. Gives rw.produced:
+    the low type for the low outputs of lowered nodes, FLOAT for every node's high outputs;
+    without keep_io_types, the low type for the main graph's FLOAT inputs, whose declared
+    type it changes to the low type."""
+    low = ctx.low
     for g in graphs:
         for n in g.nodes:
             info = ctx.info[n]
@@ -234,7 +259,12 @@ def apply(ctx):
                 rw.produced[("main", v.name)] = low
                 v.type.tensor_type.elem_type = low
 
-    # 2. every need: (graph, consumer slot, tensor, wanted type)
+
+def _collect_needs(ctx, graphs) -> list:
+    """2. Needs ctx.info, ctx.lowered, ctx.types. Gives every need, in graph and node order:
+    (graph, consumer node, input slot, tensor, wanted type): the low type for a lowered
+    node's low inputs, FLOAT for high inputs, else the type the source reads."""
+    low = ctx.low
     needs = []
     for g in graphs:
         for n in g.nodes:
@@ -246,8 +276,15 @@ def apply(ctx):
                     continue
                 want = low if i in low_in else FLOAT if i in high_in else ctx.type_of(g, x)
                 needs.append((g, n, i, x, want))
+    return needs
 
-    # 3. initializers wanted in low precision: in place, or a second copy
+
+def _convert_initializers(ctx, rw, needs):
+    """3. Needs the needs (step 2) and ctx.weight_rounding. Gives float initializers wanted
+    in the low type converted offline: in place (rw.produced) when every reader wants the
+    low type and it is no graph output, else as a second copy (rw.cache, rw.twice, and a
+    warning naming the extra bytes); their rounding facts in rw.rounding."""
+    low = ctx.low
     init_wants = {}
     for g, n, i, x, want in needs:
         owner = g.owner_of(x)
@@ -266,14 +303,26 @@ def apply(ctx):
             rw.cache[(okey, x, low)] = name
             rw.twice.append(x)
     if rw.twice:
-        from ..model_io import tensor_nbytes
-        extra = sum(tensor_nbytes(owner.initializers[x]) // 2 for (_, x), (owner, _) in init_wants.items()
-                    if x in rw.twice)
-        ctx.warn(f"{len(rw.twice)} weight(s) are read in FP32 by some nodes and in the low type by others, so both "
-                 f"copies are stored (+{extra / 1e6:.2f} MB; e.g. '{rw.twice[0]}'); --fp32-nodes or --fp16-nodes on "
-                 "their readers keeps one")
+        _warn_twice(ctx, rw, init_wants)
 
-    # 4. graph outputs keep declared types: rename the low producer, Cast back under the name
+
+def _warn_twice(ctx, rw, init_wants):
+    """The warning for weights stored in both types: how many, the extra bytes, an example."""
+    from ..model_io import tensor_nbytes
+    extra = sum(tensor_nbytes(owner.initializers[x]) // 2 for (_, x), (owner, _) in init_wants.items()
+                if x in rw.twice)
+    ctx.warn(f"{len(rw.twice)} weight(s) are read in FP32 by some nodes and in the low type by others, so both "
+             f"copies are stored (+{extra / 1e6:.2f} MB; e.g. '{rw.twice[0]}'); --fp32-nodes or --fp16-nodes on "
+             "their readers keeps one")
+
+
+def _keep_output_types(ctx, rw, graphs):
+    """4. Needs rw.produced (steps 1 and 3), ctx.types, options.keep_io_types. Gives graph
+    outputs in their declared types (without keep_io_types the main graph's FLOAT outputs
+    are declared in the low type): a producer of another type is renamed and a Cast back
+    writes the output's name (rw.current, rw.cache); a subgraph output naming an
+    outer-scope value names the variant of the declared type."""
+    low = ctx.low
     for g in graphs:
         for v in g.proto.output:
             y = v.name
@@ -300,12 +349,19 @@ def apply(ctx):
             rw.casts_added += 1
             rw.cache[(g.key, y, declared)] = y
 
-    # 5. source Casts from exact types straight to the low type; then rewire every consumer
+
+def _rewire_consumers(ctx, rw, graphs, needs):
+    """5. Needs the needs (step 2) and rw (steps 1, 3, 4). Gives source Casts from exact
+    types retargeted to the low type (_retarget_exact_casts), then every consumer input
+    reading its wanted type (Rewriter.get: one shared Cast per (tensor, type))."""
     _retarget_exact_casts(ctx, rw, graphs, needs)
     for g, n, i, x, want in needs:
         n.proto.input[i] = rw.get(g, x, want)
 
-    # 6. value_info follows the new types
+
+def _retype_value_info(rw, graphs):
+    """6. Needs rw.produced. Gives value_info entries (other than graph outputs) in the
+    types their tensors are now produced in."""
     for g in graphs:
         for v in g.proto.value_info:
             if v.name in g.output_names:
@@ -313,8 +369,6 @@ def apply(ctx):
             t = rw.produced.get((g.key, v.name))
             if t is not None and v.type.HasField("tensor_type"):
                 v.type.tensor_type.elem_type = t
-
-    return rw
 
 
 def run(ctx) -> PassResult:
