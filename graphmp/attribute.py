@@ -59,9 +59,10 @@ def _error(ref, got) -> float:
 
 def blame(src: onnx.ModelProto, converted: onnx.ModelProto, feeds: dict, *, src_dir=None, conv_dir=None,
           top: int = TOP) -> list[dict]:
-    """The `top` nodes of the converted model's main graph whose own error growth is the
-    largest on `feeds` (see the module doc): [{"node", "op_type", "error", "growth",
-    "low": whether it computes in FP16/BF16}], largest first; [] when nothing grew."""
+    """The (at most) `top` nodes of the converted model's main graph whose own error growth
+    is the largest on `feeds` (see the module doc), those with at least a tenth of the
+    largest growth: [{"node", "op_type", "error", "growth", "low": whether it computes in
+    FP16/BF16}], largest first; [] when nothing grew or the intermediates are too large."""
     emu = emulation_model(converted, conv_dir)
     names = _shared_tensors(src, emu)
     if not names:

@@ -1,5 +1,5 @@
 """Accuracy budgets: how the error of a mixed model against its FP32 source is measured,
-and how much of it is allowed (`--max-error E | tf32 | floor[:K]`, `--metric`).
+and how much of it is allowed (`--max-error auto[:K] | E | tf32 | floor[:K]`, `--metric`).
 
 Metrics, per output, over every element of every batch:
   max-rel  max |a - b| / max |ref|   (scale-relative; the default)
@@ -22,8 +22,9 @@ Budgets:
   floor:K  per output, K x (default 2) the error of the FP32 model when only its float
            inputs are rounded to FP16: the model's own FP16 noise floor.
 The floor is measured either way and reported, so users see what is reachable. A
-measured budget (tf32, floor) is never below one FP16 step (2^-11 relative): an output
-that input rounding does not move would otherwise allow no FP16 compute whatsoever.
+measured budget (auto, tf32, floor; not with --metric argmax) is never below one FP16 step
+(2^-11): an output that input rounding does not move would otherwise allow no FP16
+compute whatsoever.
 """
 from __future__ import annotations
 

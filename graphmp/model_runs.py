@@ -1,4 +1,5 @@
-"""Running models: ONNX Runtime (CPU, or CUDA when present) and the reference oracle.
+"""Running models: ONNX Runtime (the CPU unless the caller gives providers) and the
+reference oracle.
 
 ONNX Runtime's CPU provider computes almost every FP16 op in FP32 and removes the
 model's own round trips, so an FP16 overflow never shows there. `run_reference`

@@ -5,15 +5,18 @@ Reading (a model's external data, the only place a model names a file):
   location is a relative path that stays inside the model's folder once every symlink
   is resolved, names a regular file with one hard link (as onnx asks), and the offset
   and length are non-negative integers within it; anything else is a GraphmpError
-  naming the tensor and the location. `graphmp.model_io.tensor_array` reads through it, so every command does; the
-  loader checks every external tensor (subgraphs and Constant attributes too) with it
-  before any work starts.
+  naming the tensor and the location. The one exception: a model read by reference
+  (graphmp.wire) may point its weights at its own file (`allow_self_reference`).
+  `graphmp.model_io.tensor_array` reads through it, so every command does; the loader
+  checks every external tensor (subgraphs and Constant attributes too) with it before any
+  work starts.
 
 Writing (outputs never replace an input, a device or a FIFO):
 - `refuse_clobber(outputs, inputs)`: a one-line error before any work when an output
   path is one of the input files (the model, each data file it references, calibration
-  or training data), compared by `os.path.samefile` and realpath.
-- `check_target(path, in_place_ok)`: an output that exists and is not a regular file
+  or training data), or two outputs are one file, compared by `os.path.samefile` and
+  realpath.
+- `check_target(path, what, in_place_ok)`: an output that exists and is not a regular file
   (a device, FIFO, socket or directory, or a symlink to one), or that names a process's
   stream (/dev/stdout: with stdout redirected to a file a rename would replace the
   system's link), is refused; text outputs (`in_place_ok`) are written in place into a

@@ -1,14 +1,15 @@
 """Precision policy: which ONNX ops run in FP16, which stay FP32, and what the
 ONNX schemas allow.
 
-Op classes (the precision policy of the project's design notes):
+Op classes:
   fp16    compute Tensor Cores accelerate
   fp32    reductions and range-sensitive math
   follow  runs in the precision of its neighbourhood
   clear   data movement; never forces a Cast
   fixed   output type fixed by an attribute or a subgraph (Cast, ConstantOfShape,
           Random*, EyeLike, If/Loop/Scan, ...): never retyped, consumers get Casts
-Ops in none of these lists (and every custom-domain op) stay FP32.
+Ops in none of these lists, and custom-domain ops other than ONNX Runtime's fused
+com.microsoft ops of MS_OP_CLASS (below), are 'unknown' and stay FP32.
 """
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ FP32_OPS = frozenset({
 # work (classify's "norm" class, --norm-io): their kernels accumulate in FP32 and round
 # once (ONNX Runtime CPU and CUDA, TensorRT; LayerNormalization's stash_type=1 says so in
 # the spec), so an FP32 island around them buys only the rounding of an output the next
-# FP16 op rounds anyway, at the price of two Casts of the full tensor. Measured
-# (benchmarks/norm_io.py): Softmax islands buy nothing; LayerNormalization islands keep a
-# post-LN encoder's residual stream FP32 (BERT: 2.5x lower error), so LayerNormalization
-# goes low only with --norm-io all.
+# FP16 op rounds anyway, at the price of two Casts of the full tensor. Measured when
+# --norm-io was added (no script in benchmarks/ repeats it): Softmax islands buy nothing;
+# LayerNormalization islands keep a post-LN encoder's residual stream FP32 (BERT: 2.5x
+# lower error), so LayerNormalization goes low only with --norm-io all.
 NORM_IO = {"softmax": frozenset({"Softmax", "LogSoftmax"}),
            "all": frozenset({"Softmax", "LogSoftmax", "LayerNormalization"}),
            "fp32": frozenset()}

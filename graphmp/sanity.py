@@ -30,7 +30,8 @@ petabyte weight). `check_graph` checks every graph, If/Loop/Scan subgraphs inclu
 External-data tensors (including the large weights load_model(by_reference=True)
 points back into the .onnx file) have their type and dims checked here; their data is
 checked against the file by graphmp.paths. Cost: linear in the graph (names, dims and
-field counts; raw_data is never copied).
+field counts; raw_data is never copied). `check_schemas` then runs onnx's own (basic)
+checker on the model's skeleton: ops, attributes and input counts against their schemas.
 """
 from __future__ import annotations
 

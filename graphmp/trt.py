@@ -34,10 +34,10 @@ What it guarantees:
   profile's min/opt/max), gives shape-tensor inputs host memory (TensorRT reads their
   values on the host), never binds a null address (zero-size tensors get a 1-byte
   buffer), converts BF16 inputs/outputs itself (float32 <-> bfloat16 bits; `trt.nptype`
-  raises for BF16), and times one `execute_async_v3` per step with CUDA events. It
-  captures the enqueue into a CUDA graph in thread-local capture mode
-  (cudaStreamCaptureModeThreadLocal: other threads' CUDA calls cannot break or join the
-  capture) and says when it could not.
+  raises for BF16), and times each step with CUDA events. It captures the enqueue into a
+  CUDA graph in thread-local capture mode (cudaStreamCaptureModeThreadLocal: other
+  threads' CUDA calls cannot break or join the capture), so a step is one graph replay, or
+  one `execute_async_v3` where capture failed (`cuda_graph_note` says which).
 
 Device buffers, the stream, CUDA events and graph capture use PyTorch (`torch.cuda`):
 the simplest correct route, with no hand-written CUDA runtime calls. PyTorch is needed

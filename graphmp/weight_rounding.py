@@ -80,7 +80,8 @@ def _cast_graph():
 
 
 def _fp16_facts_numpy(x: np.ndarray, y: np.ndarray) -> tuple:
-    """to_fp16_noting's facts for a block holding NaN/inf, the slow and sure way."""
+    """weight_facts' rounding facts (changed, flushed, overflowed, max abs/rel change) for
+    a block holding NaN/inf or values beyond FP16's range, the slow and sure way."""
     back = y.astype(np.float32)
     finite = np.isfinite(x)
     d = np.abs(back[finite] - x[finite])

@@ -11,8 +11,8 @@ and documented: https://protobuf.dev/programming-guides/encoding/):
   external data (one tensor read at a time, ONNX Runtime reading the file itself), so
   a model costs its graph structure, not its weights. The file is memory-mapped and
   only the non-weight bytes are copied.
-- `write_streaming(model, f, tensor_bytes)`: writes a model whose top-level
-  initializers' data comes from `tensor_bytes(t)` one tensor at a time, so the full
+- `write_streaming(model, f, tensor_data)`: writes a model whose top-level
+  initializers' data comes from `tensor_data(t)` one tensor at a time, so the full
   serialized model is never in memory.
 """
 from __future__ import annotations

@@ -29,7 +29,9 @@ interface (runners.py), judges their accuracy (judge.py) and writes the report (
   is the yardstick: in tolerance = no new inf/NaN and error <= max(max_error, tf32_factor x
   TF32 error, tf32_factor x FP16-input floor) per output (the TF32 row of the same
   backend/batch/variant, else TF32 emulated on ORT CPU; the floor: the FP32 source on ORT
-  CPU with only its inputs rounded to FP16), as graphmp check judges. On the CPU the FP16-faithful oracle also checks the mixed models.
+  CPU with only its inputs rounded to FP16), as graphmp check judges. The FP16-faithful
+  oracle (graphmp.check, on the CPU, one sample) also checks the mixed models (fp16, occ)
+  whose FP32 weights are at most `oracle_max_mb` (`oracle`).
 - memory: GPU rows: device memory in use after warm-up minus before the session/engine.
 - any source (source.py): the source's precision is detected (fp32, fp16, bf16, mixed,
   int8 qdq / dynamic / qoperator, no float) and rows that are not what their precision
@@ -58,14 +60,15 @@ JSON schema (schema_version 2; `BenchResult.to_dict()`, `graphmp bench --json`):
             inputs: [{name, dtype, shape}], fixed_batch}
     backends: {name: {status: "ok"|"skipped"|"fell-back", reason}}
     rows: [{backend, precision, variant, label, model, batch, provider, tf32, status: "ok"|"failed",
-            error, settings: {provider, ..., timing}, latency_ms: {median, p90, p99, mean, min, max}|null,
+            error, settings: {provider, ..., timing, model_file}, latency_ms: {median, p90, p99, mean, min, max}|null,
             iterations, throughput_per_s, speedup_vs_fp32, speedup_vs_tf32, peak_device_memory_bytes,
             memory_note, engine_bytes, build_s, output_shapes, accuracy_note (only where not judged),
             accuracy: {reference, passed, error, max_abs, cosine, snr_db, argmax_agree, nonfinite,
                        tf32_error, vs_tf32, yardstick, outputs: {name: {error, max_abs, cosine, snr_db,
-                       argmax_agree, nonfinite, tf32_error, allowed, vs_tf32, passed}}}|null}]
+                       argmax_agree, nonfinite, shape_mismatch, tf32_error, input_floor, allowed,
+                       vs_tf32, passed}}}|null}]
     fastest: [{backend, batch, precision, variant, median_ms, by_variant: {variant: ms}}]
-    accuracy: {reference, rule, max_error, tf32_factor, yardsticks: [{batch, source, errors}]}
+    accuracy: {reference, rule, max_error, tf32_factor, yardsticks: [{batch, source, errors, input_floor}]}
     oracle: [{precision, batch, status, reason, oracle, passed, max_abs, max_rel, argmax_agree, nonfinite}]
     notes: [str]
     partial: false, or true when Ctrl-C stopped the run: `rows` holds only the rows that finished

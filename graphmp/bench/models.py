@@ -3,7 +3,7 @@
 - fp32 (and tf32): the FP32 source after graphmp's conversion pipeline with no precision
   change (every node kept FP32, no calibration): the same graph cleanups the converted
   model gets (graphmp/passes/prepare.py: initializer-inputs become constants, Constant
-  nodes become initializers, opset upgrade, redundant Casts dropped, sorted), so a row's
+  nodes become initializers, an opset below 7 upgraded, redundant Casts dropped, sorted), so a row's
   speedup over it is precision alone.
 - fp16: graphmp.convert of the source (or the user's --converted model).
 - occ: onnxconverter-common's convert_float_to_float16(keep_io_types=True).

@@ -131,7 +131,8 @@ def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=
     measured and the JSON schema.
 
     converted: a converted model to use for the fp16 rows instead of converting `model`.
-    backends / precisions: names or 'a,b' strings (default: fp32,tf32,fp16).
+    backends / precisions: names or 'a,b' strings (default: trt,ort-cuda,ort-cpu / fp32,tf32,fp16,
+      plus the precisions of `compare`).
     compare: other converters as extra precisions: 'occ' (onnxconverter-common), 'ort-opt'
       (ONNX Runtime's transformers optimizer, float16; model type from the graph or
       `model_type`). compare_occ=True is compare='occ'.

@@ -7,7 +7,8 @@ source_precision(model) -> {"precision", "float_nodes", "quantization", "quant_o
                 "int8 qoperator" (+ " + fp16" etc. when low-precision float compute is there
                 too); "no float" when the model computes no float at all
   float_nodes   {"fp32"|"fp16"|"bf16"|"fp64": nodes whose float outputs have that type}
-                (Cast and Constant nodes are not counted: they compute nothing)
+                (Cast, CastLike, Constant and Identity nodes, and Q/DQ nodes, are not
+                counted: they compute nothing)
   quantization  "dynamic" | "qoperator" | "qdq" | None (the first that applies: a dynamically
                 quantized model may also hold DequantizeLinear for its quantized embeddings)
   quant_ops     {op_type: count} of the quantization ops found

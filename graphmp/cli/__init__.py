@@ -1,4 +1,5 @@
-"""The `graphmp` command: a thin layer over graphmp.convert and graphmp.check.
+"""The `graphmp` command: a thin layer over the Python API (convert, check, pad, train,
+build, bench).
 
 One module per subcommand (or family): each has `add(sub)`, which builds its subparser,
 and `run(args)`, which calls the API and returns the exit code; `args` holds the options

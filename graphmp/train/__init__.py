@@ -5,6 +5,8 @@
     builder.py    graph-building helpers shared by step/losses/optim/source (unique names, pruning, lifting)
     source.py     the source model before the step: Constant weights lifted, tied/shared/frozen params reported
     rnn.py        decompose_recurrent(): LSTM/GRU unrolled into primitive ops that have gradient rules
+    removed_ops.py  rewrite_experimental(): ImageScaler/Crop/Affine (gone from ONNX) as standard ops
+    measure.py    declare_measured(): tensor ranks/dims onnx inference loses, measured in ONNX Runtime
     losses.py     add_loss(): cross-entropy (torch's semantics: class axis, ignore index, smoothing, weights) or MSE
     optim.py      the update as ONNX nodes: finite check, clipping, lr schedule, grad accumulation, SGD/AdamW, loss scale
     autodiff.py   add_backward(): gradient nodes for a forward graph, dtype by dtype
@@ -16,7 +18,8 @@
     plot.py       write_loss_png(): run/loss.png with matplotlib; without it run/loss.csv and a hint
     runfiles.py   a run folder's files: names from its JSON checked, corrupt files and write errors as one line
     evaluator.py  the inference graph with the current weights; eval loss/accuracy
-    ort_checks.py ONNX Runtime runs while a step is built (calibration batch, the step graph loads)
+    ort_checks.py ONNX Runtime runs while a step is built (calibration batch, the step graph loads and runs)
+    split.py      split_step(): a fused step (expose_grads) cut into a gradient graph and an update graph
 
     from graphmp.train import StepConfig, TrainConfig, build_step, train
     build_step("model.onnx", "run", StepConfig.from_kwargs(optimizer="sgd", lr=0.1))   # or the same keywords

@@ -69,7 +69,7 @@ class StepConfig:
     """Everything build_step() can be asked (the flags of `graphmp train-graph`); see
     build_step's docstring for what each does. Build it with from_kwargs (checked)."""
     loss: str = "cross-entropy"
-    label_shape: tuple | None = None        # e.g. ("N",); None: the output's shape without the class axis
+    label_shape: tuple | None = None        # e.g. ("N",); None: the output's shape (less the class axis: cross-entropy)
     label_name: str = "labels"
     optimizer: str = "adamw"
     lr: float = 1e-3

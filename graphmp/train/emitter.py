@@ -7,7 +7,8 @@ Nothing here imports the rules or autodiff.py, so the import order is one way:
   tensors (dtype, static shape, constant value); its helpers (unbroadcast, reshape_like,
   reductions with axes as input or attribute by opset, dtype-matched constants) are what
   rules are written with.
-- `rule(*ops, outputs=(0,))`: decorator registering a rule in `RULES`.
+- `rule(*ops, outputs=(0,), opset=None)`: decorator registering a rule in `RULES` (and its
+  opset in `NEEDS_OPSET`); `zero_grad(*ops)` adds ops to `ZERO_GRAD`.
 - `RULES`: {op_type: Rule}; `ZERO_GRAD`: ops whose float outputs carry no gradient;
   `NEEDS_OPSET`: ops whose rule emits ops newer than opset 13 (train-graph upgrades the
   model to the largest opset needed).
@@ -300,7 +301,8 @@ class Rule:
 RULES: dict[str, Rule] = {}
 
 #: ops whose gradient rule emits ops of a newer opset than 13 (train-graph upgrades to it):
-#: ScatterElements / ScatterND with reduction='add' (MaxPool, Gather, Pad reflect/edge/wrap)
+#: ScatterElements / ScatterND with reduction='add' (MaxPool, Gather, GatherElements,
+#: GatherND, Pad)
 NEEDS_OPSET: dict[str, int] = {}
 
 #: ops whose float outputs have zero derivative (or no derivative): never on a gradient path

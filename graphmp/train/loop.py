@@ -2,7 +2,7 @@
 
 Guarantees:
 - One step-graph run per batch. On CUDA (or with device_state=True) the state lives in
-  device OrtValues bound with I/O binding, two buffers used in turn (outputs of step k are
+  OrtValues on the session's device, bound with I/O binding, two buffers used in turn (outputs of step k are
   the inputs of step k+1): a step copies the batch in and the loss / finite flag out.
 - Data: an .npz (or a dict) with one array per model input, named as the input, plus the
   labels array (`labels` unless build_step was given another label_name), first axis =
@@ -484,7 +484,7 @@ def train(run_dir, data, config: TrainConfig | None = None, *, eval_data=None, *
     unknown one is a TypeError, a bad value a GraphmpError naming it. eval_data: evaluated
     after every epoch (same layout as data).
     resume: continue from run_dir/checkpoint.json when present (with the same batch_size,
-    seed and drop_last). max_steps: stop after this many steps in total (counting resumed ones).
+    seed, drop_last and number of samples). max_steps: stop after this many steps in total (counting resumed ones).
     Data (train and eval) is checked before use: cross-entropy labels must be class indices
     (or the ignore index), float arrays finite; skip_bad_samples drops samples holding NaN/inf
     instead of failing. device: "cuda" | "auto" | "cpu" picks the providers (instead of

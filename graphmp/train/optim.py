@@ -149,8 +149,9 @@ def skipped_note(cfg: dict, dynamic: bool, steps: int, skipped: int, scale: floa
     dynamic: the loss scale is dynamic; scale: the loss scale after the last step.
 
     The cases differ in what helps: a dynamic scale still above its floor is still backing off
-    (more steps, or a lower --init-scale, help); at the floor, or with a fixed scale, or in FP32,
-    a smaller scale cannot help: the gradients themselves are inf/NaN."""
+    (more steps, or a lower --init-scale, help); a fixed scale may be too large (a smaller
+    --loss-scale or 'dynamic' may help); at the floor, or in FP32, a smaller scale cannot
+    help: the gradients themselves are inf/NaN."""
     if steps < 4 or skipped * 10 < steps * 9:
         return None
     what = f"{'all' if skipped == steps else f'{skipped} of'} {steps} steps were skipped for inf/NaN gradients"

@@ -1,7 +1,8 @@
-"""ONNX Runtime runs while a training step is built (build_step calls both).
+"""ONNX Runtime runs while a training step is built (build_step calls all three).
 
 - calibration_batch(): the generated batch the mixed conversion of the step's forward is
-  calibrated on, with labels shaped after what the output really is on it;
+  calibrated on (and every build's step is proved on), with labels shaped after what the
+  output really is on it;
 - check_runs(): the finished step graph loads in ONNX Runtime (with this machine's providers
   for BF16, whose kernels may be missing), so a run folder `graphmp train` cannot open is
   never written;
@@ -21,8 +22,8 @@ from . import losses
 
 
 def calibration_batch(src, base_dir, shapes, path, cfg, label_dims, label_elem, state) -> dict:
-    """One generated batch for the mixed conversion of the step's forward: the model's
-    inputs (shapes that run, batch 2 where the model allows it), zero labels shaped after
+    """One generated batch, for the mixed conversion of the step's forward and the proof of
+    every build (prove_runs): the model's inputs (shapes that run, batch 2 where the model allows it), zero labels shaped after
     the output that this batch makes (exporters name output dims freely, so the labels'
     dim names need not be the inputs'), and the real weights and BatchNorm statistics
     (`state`). A label shape that contradicts the output (a fixed size, or an input's dim

@@ -1,12 +1,13 @@
 """The loss curve of a training run: run_dir/loss.png, drawn with matplotlib (graphmp[plot]).
 
 write_loss_png(path, train_loss, eval_points) draws the train loss per step (a line; when
-there are more steps than pixel columns, the per-column mean with a light min..max band)
+there are more than twice as many steps as pixel columns, the per-column mean with a light
+min..max band)
 and the eval loss per epoch (markers joined by a line) on a linear loss axis, with
 matplotlib (Agg, no pyplot state touched). Non-finite losses (steps skipped for overflow)
 are left out of the plot. Without matplotlib it writes the numbers instead, as loss.csv
-beside `path` (write_loss_csv), and returns a hint line (HINT) for the caller to print. Files are
-written atomically.
+beside `path` (write_loss_csv), and returns (that path, a hint line (HINT) for the caller to
+print). Files are written atomically.
 """
 from __future__ import annotations
 

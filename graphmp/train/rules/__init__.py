@@ -9,9 +9,9 @@ registry of graphmp/train/emitter.py (re-exported here as RULES, ZERO_GRAD, NEED
     nn.py           Conv, ConvTranspose, pooling, Softmax, Batch/Layer/Instance/Group/RMS normalisation
     loss.py         SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss
     reduce.py       Reduce* (ReduceMax/Min split ties evenly), CumSum
-    shape.py        Reshape, Transpose, Concat, Split, Slice, Gather*, Scatter*, Pad, Tile, TopK,
-                    DepthToSpace, SpaceToDepth, Trilu
-    resize.py       Resize (nearest and linear, as the transpose of the interpolation)
+    shape.py        Reshape, Flatten, (Un)Squeeze, Expand, Transpose, Concat, Split, Slice, Gather*,
+                    Scatter*, Pad, Tile, TopK, DepthToSpace, SpaceToDepth, Trilu
+    resize.py       Resize (nearest, linear and cubic, as the transpose of the interpolation)
     table.py        the docs table of every ONNX op (`python -m graphmp.train.rules --table`)
 
 A rule gets the Emitter `em` (graphmp/train/emitter.py), the forward node, and the

@@ -17,7 +17,9 @@ align_corners, asymmetric, tf_half_pixel_for_nn, half_pixel_symmetric, every nea
 the `axes` attribute, keep_aspect_ratio_policy=stretch. The input's length along every
 resized axis must be static. An axis with scale 1 is copied (as ONNX Runtime does, even
 for tf_half_pixel_for_nn, whose formula would shift it). Not supported (GraphmpError naming the node):
-tf_crop_and_resize, antialias=1 when downsampling, scales/sizes computed at run time.
+tf_crop_and_resize, antialias=1 when downsampling, keep_aspect_ratio_policy other than
+stretch, scales/sizes computed at run time when the output's length along a resized axis
+is not known.
 """
 from __future__ import annotations
 
