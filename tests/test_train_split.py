@@ -78,13 +78,19 @@ def test_batchnorm_statistics_pass_through_the_split(tmp_path):
     _fused_vs_split(step, meta, state, _batches(tiny.bars(16), 8))
 
 
-def test_a_step_without_exposed_gradients_or_with_accumulation_is_refused(tmp_path):
+def test_a_step_built_without_exposed_gradients_splits_too(tmp_path):
     p = tmp_path / "m.onnx"
     onnx.save(tiny.mlp(), p)
-    build_step(str(p), str(tmp_path / "r1"), loss="cross-entropy")
+    build_step(str(p), str(tmp_path / "r1"), loss="cross-entropy", optimizer="sgd")
     meta = json.loads((tmp_path / "r1" / "train.json").read_text())
-    with pytest.raises(GraphmpError, match="expose_grads"):
-        split_step(onnx.load(tmp_path / "r1" / "step.onnx"), meta)
+    step = onnx.load(tmp_path / "r1" / "step.onnx")
+    assert not any(o.name.endswith("__grad") for o in step.graph.output)
+    _fused_vs_split(step, meta, dict(np.load(tmp_path / "r1" / "state.npz")), _batches(tiny.blobs(16), 8))
+
+
+def test_a_step_with_accumulation_is_refused(tmp_path):
+    p = tmp_path / "m.onnx"
+    onnx.save(tiny.mlp(), p)
     build_step(str(p), str(tmp_path / "r2"), loss="cross-entropy", expose_grads=True, grad_accum=2)
     meta = json.loads((tmp_path / "r2" / "train.json").read_text())
     with pytest.raises(GraphmpError, match="accumulation"):

@@ -163,6 +163,11 @@ def add_train(sub):
                    "when available, else the CPU, and says so. cpu: the CPU")
     t.add_argument("--skip-bad-samples", action="store_true",
                    help="drop samples holding NaN/inf (train and eval data) and say how many, instead of failing")
+    t.add_argument("--nproc", type=int, metavar="N", help="data parallelism: N local ranks through torchrun's "
+                   "launcher (torch.distributed, gloo on the CPU); --batch-size is per rank. Needs "
+                   "pip install 'graphmp[dist]'. Under torchrun (WORLD_SIZE set) the ranks come from it instead")
+    t.add_argument("--dist-timeout", type=float, default=60.0, metavar="S",
+                   help="data parallelism: a rank waits this long for the others before the job fails (60)")
     add_quiet(t, "no progress line")
 
 
@@ -236,9 +241,45 @@ def _say_built(meta: dict, output: str) -> None:
           f"{meta['label']['shape']}")
 
 
+def _without_nproc(argv: list) -> list:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def run_train_parallel(args) -> int:
+    """--nproc N here: start N ranks running this command; under torchrun: this rank's part."""
+    import shlex
+    from ..errors import GraphmpError
+    from ..train.distributed import launch, train_ranks, world
+    rank, n, _ = world()
+    if n == 1:
+        if args.nproc is None or args.nproc < 1:
+            raise GraphmpError(f"--nproc must be at least 1, not {args.nproc}")
+        return launch(_without_nproc(shlex.split(args.command_line)[1:]), args.nproc)
+    if args.eval:
+        raise GraphmpError("--eval is not run during data-parallel training; evaluate the run afterwards with "
+                           "`graphmp export` and your evaluation, or train without --nproc")
+    summary = train_ranks(args.run_dir, args.data, train_config(args), args.dist_timeout)
+    if summary is not None and not args.quiet:
+        print(f"{args.run_dir}: {summary['steps']} data-parallel steps on {summary['world_size']} ranks (global batch "
+              f"{summary['global_batch']}), {summary['skipped']} skipped; last loss {summary['last_loss']:.6g}; "
+              f"{summary['seconds']:.1f} s")
+    return 0
+
+
 def run_train(args) -> int:
+    from ..train.distributed import world
     from ..train.loop import format_summary, train
     from ..train.runfiles import os_error
+    if args.nproc is not None or world()[1] > 1:
+        return run_train_parallel(args)
     try:
         res = train(args.run_dir, args.data, train_config(args), eval_data=args.eval)
     except OSError as e:  # one the driver did not name (a full disk, a folder's permissions): still one line

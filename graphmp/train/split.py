@@ -2,9 +2,8 @@
 each rank runs on its own batch, and an update graph that every rank runs on the gradients
 all ranks reduced.
 
-Both are cut out of the fused step graph (graphmp.train.step, built with expose_grads so
-the unscaled FP32 gradients are named tensors <weight>__grad), so they compute exactly what
-the fused step computes:
+Both are cut out of the fused step graph (graphmp.train.step names the unscaled FP32
+gradients <weight>__grad), so they compute exactly what the fused step computes:
 
   gradient graph  inputs: the batch, the labels, the weights, BN statistics, the loss
                   scale (dynamic scaling) and the step counter where the loss reads it;
@@ -73,7 +72,7 @@ def _sub_model(model, nodes: list, inputs: list, outputs: list, infos: dict, nam
 
 def split_step(model, meta: dict) -> tuple:
     """(gradient model, update model, the tensors the gradient graph hands over) of a fused
-    step graph built with expose_grads (meta: its train.json dict)."""
+    step graph (meta: its train.json dict)."""
     cfg = meta["config"]
     if int(cfg.get("grad_accum", 1) or 1) > 1:
         raise GraphmpError("a step with gradient accumulation (--accumulate) cannot be split for data "
@@ -82,7 +81,8 @@ def split_step(model, meta: dict) -> tuple:
     grads = [w + GRAD for w in weights]
     produced = {o for n in model.graph.node for o in n.output}
     if any(gname not in produced for gname in grads):
-        raise GraphmpError("the step graph exposes no gradients; build it with expose_grads (--expose-grads)")
+        raise GraphmpError("the step graph names no <weight>__grad tensors (built by an older graphmp): rebuild it "
+                           "with `graphmp train-graph ... --force`")
     loss = meta["loss_output"]
     prod = {o: n for n in model.graph.node for o in n.output}
     bn_new = []

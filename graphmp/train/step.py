@@ -376,7 +376,7 @@ def _convert_precision(s: _Source, f: _Forward, cfg: dict, config: StepConfig) -
 def _add_backward(s: _Source, f: _Forward, cfg: dict, expose_grads: bool) -> tuple[Builder, dict, _State]:
     """Needs the (converted) forward + loss graph. Adds the loss-scale and step-counter inputs
     and the backward seeded with the scale S; gives (the builder, {weight: unscaled FP32
-    gradient} (named <weight>__grad with expose_grads), the state with its counts)."""
+    gradient} (named <weight>__grad), the state with its counts)."""
     from .autodiff import add_backward
     from .measure import with_measure_note
     b, g = Builder(f.model), f.model.graph
@@ -396,8 +396,9 @@ def _add_backward(s: _Source, f: _Forward, cfg: dict, expose_grads: bool) -> tup
     missing = [w for w in f.weights if w not in grads_scaled]
     if missing:
         raise GraphmpError(f"{s.path}: no gradient was produced for {missing}")
-    grads = {w: b.op("Div", [grads_scaled[w], scale], out=(w + GRAD) if expose_grads else None)
-             for w in f.weights}
+    # named <weight>__grad always (graph outputs only with expose_grads): the data-parallel
+    # split (graphmp.train.split) cuts the step there
+    grads = {w: b.op("Div", [grads_scaled[w], scale], out=w + GRAD) for w in f.weights}
     return b, grads, st
 
 
@@ -562,9 +563,10 @@ def build_step(model, out_dir, config: StepConfig | None = None, **options) -> d
     class_weights as torch's F.cross_entropy, see losses.py) or "mse" (mean over all
     elements). output: the model tensor fed to the loss (default: the first graph output; any
     intermediate tensor, e.g. the logits before a final Softmax, works). label_shape: e.g.
-    ["N"] (default: the output's shape without the class axis). trainable: regex over
-    initializer names (default: every float initializer the loss depends on, except BN
-    running statistics). loss_scale: "dynamic" (starts at init_scale) or a number (static).
+    ["N"] (default: the output's shape, without the class axis for cross-entropy). trainable:
+    regex over initializer names (default: every FP32 initializer with at least one axis that
+    the loss depends on, except BN running statistics and op parameters). loss_scale:
+    "dynamic" (starts at init_scale) or a number (static).
     lr_schedule "constant" | "linear" | "cosine" with warmup_steps / total_steps (optim.py),
     grad_accum: optimizer update every grad_accum runs, on the mean gradient.
     precision "mixed": the forward+loss graph goes through graphmp.convert (keep_io_types, so the
