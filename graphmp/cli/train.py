@@ -166,6 +166,9 @@ def add_train(sub):
     t.add_argument("--nproc", type=int, metavar="N", help="data parallelism: N local ranks through torchrun's "
                    "launcher (torch.distributed, gloo on the CPU); --batch-size is per rank. Needs "
                    "pip install 'graphmp[dist]'. Under torchrun (WORLD_SIZE set) the ranks come from it instead")
+    t.add_argument("--dist-summary", dest="summary_json", metavar="JSON",
+                   help="data parallelism: rank 0 writes its summary here (steps, seconds per step: compute, "
+                        "all-reduce, update)")
     t.add_argument("--dist-timeout", type=float, default=60.0, metavar="S",
                    help="data parallelism: a rank waits this long for the others before the job fails (60)")
     add_quiet(t, "no progress line")
@@ -257,9 +260,8 @@ def run_train_parallel(args) -> int:
     """--nproc N here: start N ranks running this command; under torchrun: this rank's part."""
     import shlex
     from ..errors import GraphmpError
-    from ..train.distributed import launch, train_ranks, world
-    rank, n, _ = world()
-    if n == 1:
+    from ..train.distributed import launch, train_ranks, under_torchrun
+    if not under_torchrun():
         if args.nproc is None or args.nproc < 1:
             raise GraphmpError(f"--nproc must be at least 1, not {args.nproc}")
         return launch(_without_nproc(shlex.split(args.command_line)[1:]), args.nproc)
@@ -267,6 +269,9 @@ def run_train_parallel(args) -> int:
         raise GraphmpError("--eval is not run during data-parallel training; evaluate the run afterwards with "
                            "`graphmp export` and your evaluation, or train without --nproc")
     summary = train_ranks(args.run_dir, args.data, train_config(args), args.dist_timeout)
+    if summary is not None and args.summary_json:
+        from .outputs import write_json
+        write_json(args.summary_json, summary)
     if summary is not None and not args.quiet:
         print(f"{args.run_dir}: {summary['steps']} data-parallel steps on {summary['world_size']} ranks (global batch "
               f"{summary['global_batch']}), {summary['skipped']} skipped; last loss {summary['last_loss']:.6g}; "
@@ -275,10 +280,10 @@ def run_train_parallel(args) -> int:
 
 
 def run_train(args) -> int:
-    from ..train.distributed import world
+    from ..train.distributed import under_torchrun
     from ..train.loop import format_summary, train
     from ..train.runfiles import os_error
-    if args.nproc is not None or world()[1] > 1:
+    if args.nproc is not None or under_torchrun():
         return run_train_parallel(args)
     try:
         res = train(args.run_dir, args.data, train_config(args), eval_data=args.eval)

@@ -44,6 +44,11 @@ def world() -> tuple[int, int, int]:
             int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def under_torchrun() -> bool:
+    """This process is a rank torchrun started (even a world of one)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def _torch():
     try:
         import torch
@@ -105,14 +110,18 @@ class _Halves:
         self.state = [(s["input"], s["output"]) for s in meta["state"]]
 
 
-def _step(h: _Halves, dist, torch, n: int, batch: dict, state: dict) -> tuple[float, bool]:
-    """One data-parallel step: gradients here, one all-reduce, the update; state in place."""
+def _step(h: _Halves, dist, torch, n: int, batch: dict, state: dict, times: dict) -> tuple[float, bool]:
+    """One data-parallel step: gradients here, one all-reduce, the update; state in place;
+    seconds added to times["compute"], ["all_reduce"], ["update"]."""
+    t0 = time.perf_counter()
     feeds = {**batch, **state}
     got = dict(zip(h.handed, h.grad.run(h.handed, {k: feeds[k] for k in h.grad_in})))
     flat = np.concatenate([np.asarray(got[t], np.float32).ravel() for t in h.reduced])
+    t1 = time.perf_counter()
     bucket = torch.from_numpy(flat)
     dist.all_reduce(bucket)  # sum over ranks, in place (numpy shares the memory)
     flat /= n
+    t2 = time.perf_counter()
     pos = 0
     for t in h.reduced:
         size = int(np.asarray(got[t]).size)
@@ -122,6 +131,10 @@ def _step(h: _Halves, dist, torch, n: int, batch: dict, state: dict) -> tuple[fl
     out = dict(zip(h.upd_out, h.upd.run(h.upd_out, {k: merged[k] for k in h.upd_in})))
     for i, o in h.state:
         state[i] = out[o]
+    t3 = time.perf_counter()
+    times["compute"] += t1 - t0
+    times["all_reduce"] += t2 - t1
+    times["update"] += t3 - t2
     return float(got[h.reduced[0]]) if h.reduced[0] in got else float("nan"), bool(out.get("all_finite", True))
 
 
@@ -173,10 +186,11 @@ def train_ranks(run_dir, data, c, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict 
 
 def _run_epochs(run_dir, c, dist, torch, n, rank, shards, halves, state, pos, save) -> dict | None:
     losses, skipped, t0 = [], 0, time.perf_counter()
+    times = {"compute": 0.0, "all_reduce": 0.0, "update": 0.0}
     step, epoch, i = pos["step"], pos["epoch"], pos["position"]
     total = c.epochs * shards.steps_per_epoch
     while epoch < c.epochs and step < total and (c.max_steps is None or step < c.max_steps):
-        loss, finite = _step(halves, dist, torch, n, shards.batch(epoch, i), state)
+        loss, finite = _step(halves, dist, torch, n, shards.batch(epoch, i), state, times)
         losses.append(loss)
         skipped += not finite
         step, i = step + 1, i + 1
@@ -188,4 +202,5 @@ def _run_epochs(run_dir, c, dist, torch, n, rank, shards, halves, state, pos, sa
     setup = {"batch_size": c.batch_size, "seed": c.seed, "drop_last": True, "samples": shards.src.n, "world_size": n}
     save(run_dir, state, {"step": step, "epoch": epoch, "position": i, "skipped": skipped, "setup": setup}, losses)
     return {"steps": len(losses), "skipped": skipped, "world_size": n, "global_batch": n * c.batch_size,
-            "last_loss": losses[-1] if losses else None, "seconds": time.perf_counter() - t0}
+            "last_loss": losses[-1] if losses else None, "seconds": time.perf_counter() - t0,
+            "seconds_per_step": {k: v / max(1, len(losses)) for k, v in times.items()}}
