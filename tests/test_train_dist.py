@@ -112,3 +112,20 @@ def test_without_torch_nproc_names_the_extra(tmp_path, monkeypatch):
     np.savez(tmp_path / "d.npz", **tiny.blobs(32))
     run = _run(tmp_path, "run", optimizer="sgd", precision="fp32")
     assert main(["train", run, "--data", str(tmp_path / "d.npz"), "--nproc", "2"]) == 2
+
+
+def test_a_resumed_two_rank_run_ends_with_the_uninterrupted_weights(tmp_path):
+    """Stopped after 7 steps (a checkpoint every 5), resumed to the end: the weights of one
+    run of all 16 steps."""
+    np.savez(tmp_path / "d.npz", **tiny.blobs(64))
+    whole, parts = (_run(tmp_path, name, optimizer="adamw", precision="fp32", lr=0.05) for name in ("whole", "parts"))
+    assert _dp(whole, tmp_path / "d.npz", "--batch-size", "8", "--epochs", "4").returncode == 0
+    assert _dp(parts, tmp_path / "d.npz", "--batch-size", "8", "--epochs", "4", "--max-steps", "7",
+               "--checkpoint-every", "5").returncode == 0
+    assert latest_state(parts)[1]["step"] == 7
+    res = _dp(parts, tmp_path / "d.npz", "--batch-size", "8", "--epochs", "4")
+    assert res.returncode == 0 and "9 data-parallel steps" in res.stdout, res.stdout + res.stderr[-800:]
+    a, b = latest_state(whole)[0], latest_state(parts)[0]
+    meta = json.loads(open(os.path.join(whole, "train.json")).read())
+    for w in meta["weights"]:
+        np.testing.assert_array_equal(b[w], a[w], err_msg=w)

@@ -17,8 +17,10 @@ Each step, on every rank:
   3. the update graph runs on the reduced gradients: every rank computes the same finite
      flag from the same numbers, so all skip the same steps and keep the same loss scale.
 BatchNorm statistics stay per rank (each rank's own batch statistics; rank 0's are saved).
-Rank 0 writes the checkpoint (atomically, as the single process does) at the end; a
-resume reads it on every rank and must have the same world size and per-rank batch size.
+Rank 0 writes the checkpoint (atomically, as the single process does) every
+--checkpoint-every steps and at the end; a resume (after a kill, or torchrun's
+--max-restarts) reads it on every rank and continues the same data order, so it ends with
+the weights of an uninterrupted run; it needs the same world size and per-rank batch size.
 A rank that dies ends the job (torchrun stops the others); a rank that hangs makes the
 others' all-reduce fail after --dist-timeout seconds. Gradient accumulation and eval
 during training are the single process's (train without --nproc).
@@ -189,6 +191,12 @@ def _run_epochs(run_dir, c, dist, torch, n, rank, shards, halves, state, pos, sa
     times = {"compute": 0.0, "all_reduce": 0.0, "update": 0.0}
     step, epoch, i = pos["step"], pos["epoch"], pos["position"]
     total = c.epochs * shards.steps_per_epoch
+    setup = {"batch_size": c.batch_size, "seed": c.seed, "drop_last": True, "samples": shards.src.n, "world_size": n}
+
+    def checkpoint():  # rank 0 writes; the weights are the same on every rank (BN statistics: rank 0's)
+        if rank == 0:
+            save(run_dir, state, {"step": step, "epoch": epoch, "position": i, "skipped": skipped, "setup": setup},
+                 losses)
     while epoch < c.epochs and step < total and (c.max_steps is None or step < c.max_steps):
         loss, finite = _step(halves, dist, torch, n, shards.batch(epoch, i), state, times)
         losses.append(loss)
@@ -196,11 +204,12 @@ def _run_epochs(run_dir, c, dist, torch, n, rank, shards, halves, state, pos, sa
         step, i = step + 1, i + 1
         if i == shards.steps_per_epoch:
             epoch, i = epoch + 1, 0
+        if c.checkpoint_every and step % c.checkpoint_every == 0:
+            checkpoint()
     dist.barrier()
     if rank != 0:
         return None
-    setup = {"batch_size": c.batch_size, "seed": c.seed, "drop_last": True, "samples": shards.src.n, "world_size": n}
-    save(run_dir, state, {"step": step, "epoch": epoch, "position": i, "skipped": skipped, "setup": setup}, losses)
+    checkpoint()
     return {"steps": len(losses), "skipped": skipped, "world_size": n, "global_batch": n * c.batch_size,
             "last_loss": losses[-1] if losses else None, "seconds": time.perf_counter() - t0,
             "seconds_per_step": {k: v / max(1, len(losses)) for k, v in times.items()}}
