@@ -9,7 +9,7 @@ low_precision_type="fp16", keep_io_types=True, providers=["cpu"]).
 
 Prints exactly one JSON line prefixed with "@@RESULT " on stdout:
   ok, error, time_s (load+convert+save, imports excluded), import_s,
-  rss_after_import_bytes, peak_rss_bytes (ru_maxrss of this process),
+  rss_after_import_bytes, peak_rss_bytes (this process's VmHWM, else its ru_maxrss),
   versions.
 """
 import argparse

@@ -10,7 +10,7 @@ Tools:
 
 Every conversion, evaluation and oracle run happens in a fresh subprocess, so a
 crash, hang or memory blow-up of one tool is recorded as a result. Peak RSS is the
-ru_maxrss of that conversion subprocess (os.wait4).
+conversion subprocess's own VmHWM (os.wait4's ru_maxrss only when it could not say).
 
 Usage:
   python benchmarks/convert.py [MODEL ...] [--tools graphmp,occ,autocast]

@@ -389,7 +389,7 @@ def main(argv=None) -> int:
     if not args.dry_run and CUDA not in env["providers"]:
         print(f"gpu_check: onnxruntime {env['onnxruntime']} ({env['onnxruntime_package']}) has no {CUDA} "
               f"(providers {env['providers']}). Run benchmarks/gpu_check.sh with the onnxruntime-gpu parts "
-              "(.ortgpu1..N from benchmarks/ortgpu_parts.sh, see README 'GPU check'), or use --dry-run.", file=sys.stderr)
+              "(.ortgpu1..N from benchmarks/ortgpu_parts.sh, see docs/gpu.md), or use --dry-run.", file=sys.stderr)
         return 2
     provider = CPU if args.dry_run else CUDA
     backends = "ort-cpu" if args.dry_run else "ort-cuda" + (",trt" if "not available" not in env["tensorrt"] else "")

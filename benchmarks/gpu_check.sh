@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, one command on a GPU machine (README "GPU check"):
+# The GPU check, one command on a GPU machine (docs/gpu.md):
 #
 #   benchmarks/gpu_check.sh [--out DIR] [--models resnet50,bert-base,detector,gpt2] [...]
 #   benchmarks/gpu_check.sh --dry-run          # the same steps on the CPU, tiny models (CI)

@@ -18,12 +18,12 @@ unpadded one on the same inputs. The report also gives the padding's static cost
 added FLOPs and weight bytes, and the fraction of weight layers with every dim aligned
 before and after (as `graphmp pad` reports it).
 
-On the CPU, ONNX Runtime computes FP16 ops in FP32 (DESIGN.md), and Tensor Core
+On the CPU, ONNX Runtime computes FP16 ops in FP32 (docs/bench.md), and Tensor Core
 alignment does not apply: the CPU numbers show the overhead of padding, not its gain.
 
 Usage:
   python benchmarks/pad.py [--models lm_head,oddnet,...] [--multiple 8] [--batch 1,8]
-                           [--backends ort-cuda|ort-cpu] [--json benchmarks/results/pad.json]
+                           [--backends trt,ort-cuda|ort-cpu] [--json benchmarks/results/pad.json]
 """
 from __future__ import annotations
 
@@ -190,7 +190,7 @@ def main(argv=None):
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--multiple", type=int, default=8)
     ap.add_argument("--batch", default="1,8")
-    ap.add_argument("--backends", default=None, help="default: ort-cuda when a GPU is present, else ort-cpu")
+    ap.add_argument("--backends", default=None, help="default: trt,ort-cuda when a GPU is present, else ort-cpu")
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--min-time", type=float, default=1.0)

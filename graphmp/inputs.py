@@ -1,6 +1,6 @@
 """Model inputs: what the graph declares, the shapes graphmp runs it with, and the
 values it feeds when the user gives no data. One mechanism for every command that
-runs a model (convert's calibration, check, pad --validate, bench, build, train-graph).
+runs a model (convert's calibration, check, pad --validate, bench, train-graph); build only parses --shapes.
 
     specs = input_specs(model)                          # names, dtypes, dims
     given = parse_shapes("x:1x3x640x640,mask:1x640")    # --shapes (trtexec syntax)

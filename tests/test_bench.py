@@ -43,7 +43,7 @@ def _has_tensorrt():
         return False
 
 
-# --- the documented JSON schema (graphmp/bench.py docstring, benchmarks/README.md) -----------------
+# --- the documented JSON schema (graphmp/bench/__init__.py docstring, benchmarks/README.md) -----------------
 
 NUM = (int, float)
 

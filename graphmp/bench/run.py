@@ -610,7 +610,8 @@ class _Run:
                 entry.update(status="skipped", reason="off (oracle_max_mb 0)")
             elif size_mb > s.oracle_max_mb:
                 entry.update(status="skipped", reason=f"FP32 weights {size_mb:.0f} MB > {s.oracle_max_mb:g} MB: the "
-                             "reference evaluator is too slow for this model; run graphmp check on a GPU machine")
+                             "oracle (graphmp check's FP16-faithful emulation) is skipped at this size; run graphmp "
+                             "check on the model, or raise --oracle-max-mb")
             else:
                 try:
                     rep = check(self.source, mixed, data=one, max_error=s.max_error, atol=s.atol,

@@ -98,7 +98,7 @@ def add(sub):
     b.add_argument("--tf32-factor", type=float, default=2.0, metavar="K", help="K above (default 2)")
     add_tolerances(b, "also require |a-b| <= atol + rtol*|ref| element-wise (default: not applied)")
     b.add_argument("--oracle-max-mb", type=float, default=50.0, metavar="MB", help="run the FP16-faithful "
-                   "oracle (slow, CPU) on the mixed models when the FP32 weights are at most this (default 50; "
+                   "oracle (graphmp check's emulation, on the CPU) on the mixed models when the FP32 weights are at most this (default 50; "
                    "0 = never)")
     b.add_argument("--keep", metavar="DIR", help="keep the compared models and engines in DIR")
     add_json(b, "write the results as JSON (schema: graphmp.bench docstring; 'timing' says how rows were timed)")

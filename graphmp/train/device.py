@@ -27,7 +27,7 @@ def providers_for(device: str) -> tuple[list, str | None]:
         return [CUDA, CPU], None
     if device == "cuda":
         raise GraphmpError(f"--device cuda: this onnxruntime ({_ort_info()}) has no {CUDA}; install "
-                           "onnxruntime-gpu (README: GPU check), or use --device cpu / --device auto.")
+                           "onnxruntime-gpu (docs/gpu.md), or use --device cpu / --device auto.")
     return [CPU], f"auto: no CUDA in this onnxruntime ({_ort_info()}), so training runs on the CPU"
 
 
