@@ -129,3 +129,16 @@ def test_a_resumed_two_rank_run_ends_with_the_uninterrupted_weights(tmp_path):
     meta = json.loads(open(os.path.join(whole, "train.json")).read())
     for w in meta["weights"]:
         np.testing.assert_array_equal(b[w], a[w], err_msg=w)
+
+
+def test_bad_data_fails_the_job_before_the_first_step_naming_rank_and_file(tmp_path):
+    d = tiny.blobs(32)
+    d["labels"][5] = 7                                   # 3 classes: an index out of range
+    np.savez(tmp_path / "bad.npz", **d)
+    run = _run(tmp_path, "run", optimizer="sgd", precision="fp32")
+    res = _dp(run, tmp_path / "bad.npz", "--batch-size", "8")
+    assert res.returncode == 2
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("graphmp: error:")]
+    assert errors and all(ln.startswith("graphmp: error: rank ") and "bad.npz" in ln for ln in errors), errors
+    assert not os.path.exists(os.path.join(run, "checkpoint.json"))
+    assert "Traceback" not in res.stderr
