@@ -81,7 +81,7 @@ def elem_name(model, name) -> str:
     return np.dtype(helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)).name
 
 
-def _subgraph_inputs(node):
+def subgraph_inputs(node):
     for a in node.attribute:
         for sg in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
             for sn in sg.node:
@@ -101,7 +101,7 @@ def ancestors(graph, target: str) -> set:
         if n is None:
             continue
         todo.extend(x for x in n.input if x)
-        todo.extend(_subgraph_inputs(n))
+        todo.extend(subgraph_inputs(n))
     return seen
 
 
@@ -141,7 +141,7 @@ def prune(model) -> None:
         if any(o in needed for o in n.output):
             keep.append(n)
             needed.update(n.input)
-            needed.update(_subgraph_inputs(n))
+            needed.update(subgraph_inputs(n))
     if len(keep) != len(model.graph.node):
         kept = [onnx.NodeProto() for _ in keep]
         for dst, src in zip(kept, reversed(keep)):

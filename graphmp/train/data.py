@@ -308,7 +308,7 @@ class Dataset:
     def num_batches(self, batch_size, drop_last):
         return self.n // batch_size if drop_last else -(-self.n // batch_size)
 
-    def _take(self, idx) -> dict:
+    def take(self, idx) -> dict:
         b = {k: v[idx[0]] if k in self.stacked else v[idx] for k, v in self.arrays.items()}
         b.update(self.constants)
         return b
@@ -316,12 +316,12 @@ class Dataset:
     def batches(self, epoch, batch_size, seed, drop_last, start=0):
         order = np.random.default_rng(seed + epoch).permutation(self.n)
         for i in range(start, self.num_batches(batch_size, drop_last)):
-            yield self._take(order[i * batch_size:(i + 1) * batch_size])
+            yield self.take(order[i * batch_size:(i + 1) * batch_size])
 
     def sequential(self, batch_size):
         size = 1 if self.one_per_step else batch_size
         for i in range(0, self.n, size):
-            yield self._take(np.arange(i, min(i + size, self.n)))
+            yield self.take(np.arange(i, min(i + size, self.n)))
 
 
 class BatchIterable:

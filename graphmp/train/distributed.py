@@ -88,7 +88,7 @@ class _Shards:
     def batch(self, epoch: int, i: int) -> dict:
         order = np.random.default_rng(self.seed + epoch).permutation(self.src.n)
         g = order[i * self.n * self.b:(i + 1) * self.n * self.b]
-        return self.src._take(g[self.rank::self.n])
+        return self.src.take(g[self.rank::self.n])
 
 
 class _Halves:
@@ -163,7 +163,7 @@ def train_ranks(run_dir, data, c, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict 
     summary dict (None on the other ranks)."""
     torch, dist = _torch()
     from .data import DataCheck, Dataset, label_rule, make_source
-    from .loop import _save_checkpoint, load_run
+    from .loop import save_checkpoint, load_run
     rank, n, _ = world()
     run_dir = os.fspath(run_dir)
     dist.init_process_group("gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=timeout_s))
@@ -181,7 +181,7 @@ def train_ranks(run_dir, data, c, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict 
             state, pos = _start(run_dir, meta, rank, n, c)
         except GraphmpError as e:
             raise GraphmpError(f"rank {rank}: {e}") from None
-        return _run_epochs(run_dir, c, dist, torch, n, rank, shards, halves, state, pos, _save_checkpoint)
+        return _run_epochs(run_dir, c, dist, torch, n, rank, shards, halves, state, pos, save_checkpoint)
     finally:
         dist.destroy_process_group()
 

@@ -95,7 +95,7 @@ def latest_state(run_dir) -> tuple[dict, dict | None]:
     return load_npz(run_file(run_dir, meta, "initial_state"), hint=f" {REBUILD.capitalize()}."), None
 
 
-def _save_checkpoint(run_dir, state: dict, info: dict, train_loss=()):
+def save_checkpoint(run_dir, state: dict, info: dict, train_loss=()):
     """ckpt-<step>.npz (the state + the run's per-step loss) then checkpoint.json naming it;
     then the previous checkpoint file is removed, only when checkpoint.json named a valid
     one (runfiles.run_file: never a file outside the run folder). A failed write (a full
@@ -313,7 +313,7 @@ class _Run:
     ev_result: dict | None = None
 
     def checkpoint(self):
-        _save_checkpoint(self.run_dir, self.runner.state_numpy(),
+        save_checkpoint(self.run_dir, self.runner.state_numpy(),
                          dict(self.pos, setup=self.setup, eval_history=self.run_eval), self.run_loss)
 
 

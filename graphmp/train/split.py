@@ -26,7 +26,7 @@ import onnx
 from onnx import helper
 
 from ..errors import GraphmpError
-from .builder import _subgraph_inputs
+from .builder import subgraph_inputs
 
 GRAD = "__grad"
 
@@ -45,7 +45,7 @@ def _needed(graph, outputs: list, stops: set) -> list:
             continue
         keep.add(id(n))
         todo.extend(x for x in n.input if x)
-        todo.extend(_subgraph_inputs(n))
+        todo.extend(subgraph_inputs(n))
     return [n for n in graph.node if id(n) in keep]
 
 
@@ -58,7 +58,7 @@ def _value_infos(model) -> dict:
 def _sub_model(model, nodes: list, inputs: list, outputs: list, infos: dict, name: str):
     """A model holding `nodes`, reading `inputs` (+ the initializers they use), writing `outputs`."""
     g = model.graph
-    used = {x for n in nodes for x in list(n.input) + list(_subgraph_inputs(n))}
+    used = {x for n in nodes for x in list(n.input) + list(subgraph_inputs(n))}
     missing = [x for x in inputs if x not in infos]
     if missing:
         raise GraphmpError(f"the step graph does not declare the type of {missing[:3]}; cannot split it")
@@ -98,7 +98,7 @@ def split_step(model, meta: dict) -> tuple:
     update_nodes = _needed(model.graph, outputs, set(handed))
     state_inputs = [s["input"] for s in meta["state"]]
     update_model = _sub_model(model, update_nodes, state_inputs + handed, outputs, infos, "update")
-    reads = {x for n in update_nodes for x in list(n.input) + list(_subgraph_inputs(n))}
+    reads = {x for n in update_nodes for x in list(n.input) + list(subgraph_inputs(n))}
     stray = sorted(reads & (set(inputs) - set(state_inputs)))
     if stray:
         raise GraphmpError(f"the update half of the step reads {stray[:3]} beyond the state and the gradients; "
