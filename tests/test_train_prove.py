@@ -210,3 +210,25 @@ def test_an_output_declared_with_the_wrong_rank_follows_the_graph(tmp_path):
     meta = build_step(p, str(tmp_path / "run"), loss="mse")
     assert any("is declared ['n'] but the graph gives ['n', 3]" in w for w in meta["warnings"]), meta["warnings"]
     assert meta["label"]["shape"] == ["n", 3]
+
+
+def test_a_value_passed_through_an_if_is_not_trained_silently(tmp_path):
+    """openwakeword's classifier returns sigmoid(net(x)) through an If (a second model runs when
+    it is high). Its gradient used to stop there unnoticed (every gradient exactly 0, the loss
+    flat); now the If, which has no gradient rule, stops the build and names the tensor before it."""
+    w = numpy_helper.from_array(np.full((4, 1), 0.1, np.float32), "w")
+    then_g = helper.make_graph([helper.make_node("Identity", ["p"], ["t_out"])], "then", [],
+                               [helper.make_tensor_value_info("t_out", TensorProto.FLOAT, None)])
+    else_g = helper.make_graph([helper.make_node("Neg", ["p"], ["e_out"])], "else", [],
+                               [helper.make_tensor_value_info("e_out", TensorProto.FLOAT, None)])
+    th = numpy_helper.from_array(np.array(0.5, np.float32), "th")
+    p = _save(tmp_path, [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Sigmoid", ["h"], ["p"]),
+                         helper.make_node("ReduceMax", ["p"], ["pm"], keepdims=0),
+                         helper.make_node("GreaterOrEqual", ["pm", "th"], ["hi"]),
+                         helper.make_node("If", ["hi"], ["y"], name="gate", then_branch=then_g, else_branch=else_g)],
+              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 1])], [w, th], "gated")
+    with pytest.raises(GraphmpError) as e:
+        build_step(p, str(tmp_path / "run"), loss="mse", precision="fp32")
+    assert "node 'gate' (op If)" in str(e.value) and "--model-output p" in str(e.value), str(e.value)
+    build_step(p, str(tmp_path / "run2"), loss="mse", precision="fp32", output="p")   # the fix it names

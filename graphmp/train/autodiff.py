@@ -47,6 +47,7 @@ from onnx import TensorProto, helper
 from ..errors import GraphmpError
 from ..policy import FLOAT_TYPES
 from ..opset import default_opset
+from .builder import subgraph_inputs
 from .emitter import Emitter, attr, tensor_info
 from .rules import RULES, ZERO_GRAD
 
@@ -78,9 +79,12 @@ def add_backward(model: onnx.ModelProto, loss: str, wrt: Sequence[str], *, seed:
                                "tensors have gradients")
 
     # forward: tensors that depend on some w through float values
+    # (a subgraph's outer-scope reads count as inputs: an If whose branch returns an active
+    # value passes its gradient, or stops the build for want of a rule, never silently)
+    reads = {tuple(node.output): [i for i in node.input if i] + list(subgraph_inputs(node)) for node in graph.node}
     active = set(wrt)
     for node in graph.node:
-        if node.op_type in ZERO_GRAD or not any(i in active for i in node.input if i):
+        if node.op_type in ZERO_GRAD or not any(i in active for i in reads.get(tuple(node.output), node.input)):
             continue
         for o in node.output:
             if o and info.get(o, (TensorProto.FLOAT,))[0] in FLOAT_TYPES:
@@ -89,7 +93,7 @@ def add_backward(model: onnx.ModelProto, loss: str, wrt: Sequence[str], *, seed:
     useful = {loss}
     for node in reversed(graph.node):
         if any(o in useful for o in node.output):
-            useful.update(i for i in node.input if i in active)
+            useful.update(i for i in reads.get(tuple(node.output), node.input) if i in active)
 
     em = Emitter(model, info, prefix, active=frozenset(active & useful))
     grads: dict[str, list[str]] = defaultdict(list)
@@ -101,15 +105,16 @@ def add_backward(model: onnx.ModelProto, loss: str, wrt: Sequence[str], *, seed:
         for o, go in zip(node.output, outs):
             if go is not None and o in info:
                 em.info.setdefault(go, info[o])  # a gradient has its tensor's dtype and shape
-        if all(g is None for g in outs) or not any(em.needs(i) for i in node.input):
+        if all(g is None for g in outs) or not any(em.needs(i) for i in reads.get(tuple(node.output), node.input)):
             continue
         rule = RULES.get(node.op_type) if node.domain in ("", "ai.onnx") else None
         if rule is None:
             raise GraphmpError(
                 f"node '{node.name}' (op {node.domain + '.' if node.domain else ''}{node.op_type}) lies "
-                f"between the differentiated tensors and the loss and has no gradient rule. Supported "
-                f"ops: {', '.join(sorted(RULES))}. Make it non-differentiable (e.g. feed it a constant) "
-                "or add a rule in graphmp/train/rules/.")
+                f"between the differentiated tensors and the loss and has no gradient rule. Train through "
+                f"a tensor before it (--model-output {next((i for i in reads.get(tuple(node.output), node.input) if i in active and i not in wrt), '?')}), "
+                f"make it non-differentiable (e.g. feed it a constant) or add a rule in graphmp/train/rules/. "
+                f"Supported ops: {', '.join(sorted(RULES))}.")
         if rule.outputs is not None:
             extra = [i for i, g in enumerate(outs) if g is not None and i not in rule.outputs]
             if extra:
