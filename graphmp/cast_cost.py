@@ -30,7 +30,7 @@ LOW_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 TOP = 5
 
 
-def _itemsize(elem_type: int) -> int | None:
+def itemsize(elem_type: int) -> int | None:
     if elem_type == TensorProto.BFLOAT16:
         return 2
     try:
@@ -255,7 +255,7 @@ def _cast_entry(f: _Facts, gi: int, n) -> tuple[dict, bool, bool]:
         dims2, approx2, unavail2 = f.dims_of(n.input[0], gi)
         if dims is None or (dims2 is not None and not approx2):
             dims, approx, unavail = dims2, approx2, unavail2
-    s_in, s_out = _itemsize(src) if src else None, _itemsize(to)
+    s_in, s_out = itemsize(src) if src else None, itemsize(to)
     if dims is None or s_in is None or s_out is None:
         approx = True
         unavail |= gi == 0 and not f.concrete

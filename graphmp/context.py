@@ -37,6 +37,7 @@ class Options:
     atol: float | None = None           # --validate: an element-wise criterion on top of the budget
     rtol: float | None = None
     verbose: bool = False
+    island_trials: int = 4              # --island-trials: FP32 islands / FP16 segments measured for their Casts (0: off)
     fuse: str | None = None             # --fuse ort: ONNX Runtime's transformer fusions first (passes/fuse.py)
     model_type: str | None = None       # --model-type: the fusions' model type (None: found from the graph)
 
@@ -80,6 +81,9 @@ class Options:
         if o.shapes is not None:
             from .inputs import parse_shapes
             o.shapes = parse_shapes(o.shapes)
+        if not (isinstance(o.island_trials, int) and not isinstance(o.island_trials, bool) and o.island_trials >= 0):
+            raise GraphmpError(f"--island-trials must be a whole number >= 0 (0: no FP32 island is measured for its "
+                               f"Casts), not {o.island_trials}")
         if o.search_time is not None and not (isinstance(o.search_time, (int, float)) and o.search_time > 0):
             raise GraphmpError(f"--search-time must be a number of seconds > 0, not {o.search_time}")
         if o.max_error is not None:
@@ -119,6 +123,7 @@ class Ctx:
     types: dict = field(default_factory=dict)      # graph key -> {tensor: elem_type}
     opsets: dict = field(default_factory=dict)     # domain -> opset version of the model (types pass)
     ranges: dict = field(default_factory=dict)     # (graph key, tensor) -> max |x| over calibration
+    shapes: dict = field(default_factory=dict)     # main-graph float tensor -> dims in calibration (the largest)
     batches: list = field(default_factory=list)    # calibration feeds that ran (for the search)
     batch_outputs: list = field(default_factory=list)  # the model's outputs on the first batches (calibrate)
     range_candidates: dict = field(default_factory=dict)  # Node -> range reason the search may overrule

@@ -24,8 +24,8 @@ from .model_io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materiali
                  tensor_nbytes)
 from .save import save_model
 from .wire import is_self_reference
-from .passes import (PassResult, Step, apply, calibrate, checking, classify, fuse, paint, plan_file, prepare,
-                     run_steps, search, types)
+from .passes import (PassResult, Step, apply, calibrate, checking, classify, fuse, islands, paint, plan_file,
+                     prepare, run_steps, search, types)
 from .passes.apply import LowConverter, to_low
 from .plan_read import load as load_plan
 
@@ -50,6 +50,10 @@ def _planning(ctx) -> bool:    # --plan or --save-plan
     return ctx.options.plan is not None or bool(ctx.options.save_plan)
 
 
+def _trialing(ctx) -> bool:    # --island-trials N > 0, batches ran, no --max-error / --plan
+    return islands.trials_wanted(ctx.options) and bool(ctx.batches) and bool(ctx.batch_outputs)
+
+
 def _plan_given(ctx) -> bool:  # --plan
     return ctx.options.plan is not None
 
@@ -71,13 +75,17 @@ PIPELINE = [
     Step("types", types.run, needs=("root",), gives=("types", "opsets")),
     # no-op and round-trip Casts of the source
     Step("prepare", prepare.run_drop_redundant_casts, needs=("root", "types")),
-    # max |x| of every float tensor (FP32 runs); the batches that ran and their outputs
-    Step("calibration", calibrate.run, needs=("types",), gives=("ranges", "batches", "batch_outputs")),
+    # max |x| and dims of every float tensor (FP32 runs); the batches that ran and their outputs
+    Step("calibration", calibrate.run, needs=("types",), gives=("ranges", "shapes", "batches", "batch_outputs")),
     # op class; why a node must stay FP32
     Step("classify", classify.run, needs=("root", "types", "opsets", "ranges"),
          gives=("info", "weight_rounding", "range_candidates")),
     # which nodes run in the low type
     Step("paint", paint.run, needs=("info",), gives=("lowered",)),
+    # FP32 islands whose Casts cost more than the accuracy they buy (measured), and FP16
+    # groups whose Casts cost more than their Tensor Core work
+    Step("islands", islands.run, needs=("info", "lowered", "batches", "batch_outputs", "shapes"), gives=("lowered",),
+         when=_trialing),
     # --max-error: fewest FP32 nodes within budget (not with --plan)
     Step("search", plan_file.unless_plan(search.run),
          needs=("info", "lowered", "batches", "batch_outputs", "range_candidates"),
@@ -231,6 +239,8 @@ def _reason_group(reason: str) -> str:
         return "plan: FP32 as the --plan file says"
     if reason.startswith("INT8 Q/DQ"):
         return "INT8 Q/DQ op (kept for the INT8 fusion)"
+    if reason.startswith("islands: merged"):
+        return "islands: merged with FP32 neighbours (its Casts cost more than its FP16 work)"
     if reason.startswith("FP32 spread"):
         return "FP32 spread from an FP32 neighbour"
     if "is range-sensitive (FP32 op class)" in reason:  # also a Softmax --norm-io left FP32 (paint.NORM_KEPT)

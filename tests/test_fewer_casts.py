@@ -165,10 +165,18 @@ def test_softmax_between_fp16_matmuls_reads_and_writes_fp16_at_the_same_error():
 
 
 def test_layernorm_is_lowered_only_with_norm_io_all():
+    """The policy keeps a LayerNormalization FP32 (island_trials=0: paint's plan); the islands
+    pass then measures the island, and here, between two MatMuls, it buys nothing."""
     m = attention("LayerNormalization")
-    assert graphmp.convert(m, None).fp32_nodes["norm"].startswith("LayerNormalization is range-sensitive")
+    assert graphmp.convert(m, None, island_trials=0).fp32_nodes["norm"].startswith(
+        "LayerNormalization is range-sensitive")
     rep = graphmp.convert(m, None, norm_io="all")
     assert "norm" not in rep.fp32_nodes and _out_type(rep.model, "norm") == TP.FLOAT16
+    measured = graphmp.convert(m, None)
+    trial = measured.to_dict()["islands"]["trials"][0]
+    assert trial["seeds"] == ["norm"] and trial["decision"].startswith("FP16"), trial
+    assert _out_type(measured.model, "norm") == TP.FLOAT16
+    assert graphmp.convert(m, None, norm_io="fp32").fp32_nodes["norm"].startswith("LayerNormalization is range")
 
 
 def test_softmax_after_fp32_work_stays_an_fp32_island():

@@ -198,8 +198,10 @@ def test_tiny_fusions_at_least_ort_optimizer(tiny):
     if name == "bert-ts":  # the whole BERT: 2 layers -> 2 Attention, 4 SkipLayerNorm, 1 EmbedLayerNorm
         assert mine == {"Attention": 2, "BiasGelu": 2, "EmbedLayerNormalization": 1, "SkipLayerNormalization": 4}
         assert report["fuse"]["num_heads"] == 2
-        # the fused norms keep graphmp's LayerNorm policy (FP32: the residual stream), the rest is FP16
-        assert sorted(e["op_type"] for e in report["fp32_nodes"]) == \
+        # the fused norms keep graphmp's LayerNorm policy (FP32: the residual stream), the rest is
+        # FP16 but what the measured-islands step merged into FP32 (the tiny pooler: its Casts
+        # cost more than its FLOPs)
+        assert sorted(e["op_type"] for e in report["fp32_nodes"] if not e["reason"].startswith("islands:")) == \
             ["EmbedLayerNormalization"] + ["SkipLayerNormalization"] * 4
         m = onnx.load(out)
         types = {v.name: v.type.tensor_type.elem_type for v in list(m.graph.value_info) + list(m.graph.input)}

@@ -211,10 +211,11 @@ def test_yardstick_passes_a_model_whose_input_rounding_alone_exceeds_1e2(tmp_pat
     """basic_pitch: rounding only its audio input to FP16 already moves an output by
     ~0.014 max-rel, so no FP16 model can meet a fixed 1e-2; the default yardstick judges
     against that floor and the TF32 error, prints both, and passes it; --max-error 1e-2
-    still fails it."""
+    still fails it. (--island-trials 0: paint's plan, whose first conv reads the FP16-rounded
+    input; the measured-islands step keeps that conv group FP32 and then meets 1e-2.)"""
     src = os.path.join(ROOT, "models", "real", "basic_pitch_nmp.onnx")
     out = str(tmp_path / "bp.onnx")
-    assert main(["convert", src, "-o", out, "-q"]) == 0
+    assert main(["convert", src, "-o", out, "-q", "--island-trials", "0"]) == 0
     rc = main(["check", src, out])
     text = capsys.readouterr().out
     assert rc == 0 and "PASS (max-rel <= auto per output)" in text, text

@@ -85,6 +85,10 @@ def add(sub):
                    help="FP32-class ops that read and write FP16 where they sit between FP16 work (their kernels "
                         "accumulate in FP32): softmax (default) Softmax/LogSoftmax; all: LayerNormalization too "
                         "(fewer Casts, a post-LN encoder's residual stream in FP16); fp32: none")
+    c.add_argument("--island-trials", type=int, default=4, metavar="N",
+                   help="measure up to N FP32 islands (or FP16 segments between FP32 work) whose Casts move the most "
+                        "bytes: an island goes FP16, a segment FP32, only where every output's error on the "
+                        "calibration batches stays within 1.05x (default 4; 0: off; not with --max-error or --plan)")
     _add_budget(c)
     add_external_data(c, "when the input had external data or >1.8 GB")
     add_report(c, "write the full report (every FP32 node and why) as JSON")
@@ -151,7 +155,7 @@ def run(args) -> int:
     rep = convert(args.model, out, target=args.target, keep_io_types=args.keep_io_types,
                   fp32_ops=args.fp32_ops, fp32_nodes=args.fp32_nodes, fp16_nodes=args.fp16_nodes,
                   calibration=cal, shapes=args.shapes, range_threshold=args.range_threshold, norm_io=args.norm_io,
-                  max_error=args.max_error, metric=args.metric, strict=args.strict, search_time=args.search_time,
+                  island_trials=args.island_trials, max_error=args.max_error, metric=args.metric, strict=args.strict, search_time=args.search_time,
                   external_data=args.external_data, validate=args.validate, atol=args.atol,
                   rtol=args.rtol, verbose=not args.quiet, pad_channels=args.pad_channels,
                   fuse=args.fuse, model_type=args.model_type, plan=args.plan, save_plan=args.save_plan)

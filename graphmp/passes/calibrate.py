@@ -5,6 +5,9 @@ Needs: the prepared model (opset >= 7, canonical) and its proven types (types pa
 Guarantees:
 - ranges[(graph key, tensor)] = the largest finite |x| seen on any batch (a body run
   many times counts every iteration; a branch that never ran records nothing);
+- shapes[tensor] = the dims of every main-graph float tensor on the batch where it was
+  largest (the islands pass prices Casts with them: shape inference loses dims behind a
+  computed Reshape, the run does not);
 - types that shape inference left unknown in the main graph are proven by the run;
 - at least one batch ran, or a GraphmpError that names --shapes / --calibration /
   --no-calibration (generated inputs) or the data file (user data). The one case that
@@ -45,6 +48,7 @@ class Calibration:
     report: dict = field(default_factory=dict)
     batches: list = field(default_factory=list)    # the feeds that ran (the search measures on them)
     outputs: list = field(default_factory=list)    # the model's FP32 outputs on the first keep_outputs batches
+    shapes: dict = field(default_factory=dict)     # main-graph float tensor -> dims (largest seen)
 
 
 # --------------------------------------------------------------------------- probe
@@ -59,10 +63,13 @@ class _Probe:
         self.types = types
         self.names = Names(self.model)
         self.scalars: dict = {}     # main-graph output name -> (graph key, tensor)
+        self.shape_of: dict = {}    # main-graph output name -> the main-graph tensor whose Shape it is
         g = self.model.graph
         for name, key in self._instrument(g, "main"):
             g.output.append(helper.make_tensor_value_info(name, FLOAT, []))
             self.scalars[name] = key
+        for name in self.shape_of:
+            g.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.INT64, [None]))
 
     def _max_abs(self, x) -> tuple[list, str]:
         """(nodes, scalar) for max |x| = max(max x, -min x): two scalar reductions and no
@@ -87,6 +94,10 @@ class _Probe:
             nodes, m = self._max_abs(x)
             order.extend(nodes)
             found.append((m, (key, x)))
+            if key == "main":  # its dims too (a Shape: metadata, no copy)
+                s = self.names.fresh(f"{x}__shape")
+                order.append(helper.make_node("Shape", [x], [s], name=self.names.fresh("graphmp_cal_shape")))
+                self.shape_of[s] = x
         for v in g.input:
             if v.name not in inits and types.get(v.name) == FLOAT:
                 probe(v.name)
@@ -149,6 +160,9 @@ class _Runner:
         outs = self.sess.run(self.outputs, {k: feeds[k] for k in self.inputs})
         ranges = self.cal.ranges
         for name, arr in zip(self.outputs, outs):
+            if name in self.probe.shape_of:
+                self._note_shape(self.probe.shape_of[name], arr)
+                continue
             key = self.probe.scalars.get(name)
             if key is None or not isinstance(arr, np.ndarray) or arr.size == 0:
                 continue
@@ -161,6 +175,13 @@ class _Runner:
             got = dict(zip(self.outputs, outs))
             self.cal.outputs.append({k: got[k] for k in self.model_outputs})
         self.cal.batches.append({k: feeds[k] for k in self.inputs})
+
+
+    def _note_shape(self, x, arr):
+        dims = tuple(int(d) for d in np.asarray(arr).ravel())
+        old = self.cal.shapes.get(x)
+        if old is None or np.prod(dims, dtype=np.float64) > np.prod(old, dtype=np.float64):
+            self.cal.shapes[x] = dims
 
 
 _ORT_TYPES = {f"tensor({k})": v for k, v in (
@@ -249,13 +270,18 @@ def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<mo
 
 
 def run(ctx) -> PassResult:
-    """Needs the prepared model and ctx.types. Sets ctx.ranges; proves unknown main-graph types."""
+    """Needs the prepared model and ctx.types. Sets ctx.ranges, ctx.shapes, ctx.batches and
+    (for the search, --plan and the islands' trials) ctx.batch_outputs; proves unknown
+    main-graph types."""
+    from .islands import trials_wanted
     from .search import MAX_SEARCH_BATCHES
-    wants_references = ctx.options.max_error is not None or ctx.options.plan is not None  # search / plan verify
+    wants_references = (ctx.options.max_error is not None or ctx.options.plan is not None  # search / plan verify
+                        or trials_wanted(ctx.options))                                   # the islands' trials
     cal = calibrate(ctx.model, ctx.types, data=ctx.options.calibration, shapes=ctx.options.shapes,
                     base_dir=ctx.base_dir, where=ctx.path,
                     keep_outputs=MAX_SEARCH_BATCHES + 1 if wants_references else 0)
     ctx.ranges = cal.ranges
+    ctx.shapes = cal.shapes
     ctx.batches = cal.batches
     ctx.batch_outputs = cal.outputs
     if cal.report.get("warning"):

@@ -19,6 +19,9 @@ its I/O keep their declared types). Named steps, in order (STEPS):
 Everything else keeps its FP32 type (a norm node left out gets its FP32 reason). Casts
 then appear only where a painted region meets an FP32 one.
 
+repaint(ctx, g, freed) paints g again as if the nodes `freed` had no FP32 reason (the
+islands pass tries an FP32 island in FP16 with it).
+
 Needs: ctx.info (classify). Guarantees: ctx.lowered holds every node (graphmp.ir.Node)
 that runs in the low type; the nodes step 2 marks and the norm nodes left FP32 get their
 reason in ctx.info (class fp32).
@@ -188,14 +191,47 @@ def _clear(c: _Canvas) -> None:
 STEPS = [("islands", _islands), ("deny", _deny), ("between", _between), ("after", _after), ("clear", _clear)]
 
 
-def paint_graph(ctx, g):
+def _painted(ctx, g) -> _Canvas:
+    """The canvas of g after STEPS; a norm node left out gets its FP32 class and reason."""
     c = _Canvas(ctx, g)
     for _, step in STEPS:
         step(c)
-    ctx.lowered.update(c.allow)
     for n in c.nodes:  # a norm node not between low-precision work is an FP32 island, as its class says
         if c.kind(n) == "norm" and n not in c.allow:
             c.info[n].cls, c.info[n].reason = "fp32", NORM_KEPT.format(n.op_type)
+    return c
+
+
+def paint_graph(ctx, g):
+    ctx.lowered.update(_painted(ctx, g).allow)
+
+
+def _unpaint(ctx, g) -> None:
+    """Back to classify's verdicts on g: the FP32 reasons steps 1-2 and the norm rule gave go."""
+    for n in g.nodes:
+        i = ctx.info[n]
+        if i.reason == ISLAND or (i.reason or "").startswith(SPREAD.split("(")[0]):
+            i.reason = None
+        elif i.cls == "fp32" and i.reason == NORM_KEPT.format(n.op_type):
+            i.cls, i.reason = "norm", None
+
+
+def repaint(ctx, g, freed=(), commit: bool = False) -> set:
+    """The nodes of g that paint lowers when the nodes `freed` lose their FP32 reason and
+    count as elementwise work (class follow: FP16 storage, FP32 math inside the kernel).
+    Used by the islands pass to try an FP32 island in FP16. ctx.info is left as it was
+    unless `commit` (then the freed nodes and the new paint's reasons stay; ctx.lowered is
+    the caller's to update)."""
+    saved = {n: (ctx.info[n].cls, ctx.info[n].reason) for n in g.nodes}
+    try:
+        _unpaint(ctx, g)
+        for n in freed:
+            ctx.info[n].cls, ctx.info[n].reason = "follow", None
+        return set(_painted(ctx, g).allow)
+    finally:
+        if not commit:
+            for n, (cls, reason) in saved.items():
+                ctx.info[n].cls, ctx.info[n].reason = cls, reason
 
 
 def paint(ctx):

@@ -1,0 +1,355 @@
+"""islands: pay for FP32 only where it buys accuracy (issue 26).
+
+After paint, an FP32 island costs its Casts: every tensor that crosses between FP16 and
+FP32 work is cast once, reading 2 or 4 bytes per element and writing the other. This pass
+prices those Casts, and where an island's Casts move a large share of the model's bytes,
+measures whether the island buys accuracy; where it does not, the Casts go.
+
+Needs: ctx.info, ctx.lowered (paint), ctx.batches, ctx.batch_outputs, ctx.shapes
+(calibrate). Gives: ctx.lowered, changed only where a measurement allowed it;
+report["islands"]: every trial, its bytes, its errors and the decision. Runs with
+--island-trials N > 0 (default 4) and calibration batches, not with --max-error (the
+search decides the precisions by its budget) or --plan (the file decides them). Works on
+the main graph (bodies of If/Loop/Scan keep paint's plan).
+
+Steps (STEPS), in order:
+  1. price:    the bytes the plan's Casts move per inference (_cast_bytes): a float
+               tensor produced in one type and read in the other costs its elements x
+               (4 + 2) bytes, at the largest shapes calibration saw;
+  2. drop:     an FP32 island (a connected group of FP32 nodes) whose FP32 comes from a
+               precision rule (a node's FP32 op class: a reduction, Softmax, Exp, ...; a
+               summed square; precision_seed) is a candidate to run in FP16: paint runs again
+               with those nodes as elementwise work (paint.repaint). Also each such node
+               alone, where an island has several. Range, initializer, unknown-op and
+               user rules (--fp32-nodes/--fp32-ops; --norm-io fp32 for Softmax and
+               LayerNormalization) keep their nodes: never candidates;
+  3. merge:    a connected group of FP16 nodes joins its FP32 neighbours when its Casts
+               move more bytes than its Tensor Core work is worth: FLOPs of its
+               Conv/MatMul/Gemm x BYTES_PER_FLOP (a conv on a 3-channel image between
+               the FP32 input and an FP32 island), and all merges together give up at
+               most MERGE_FLOPS_SHARE of the model's Conv/MatMul FLOPs;
+  4. measure:  candidates saving at least MIN_SHARE of the model's Cast bytes (and
+               MIN_TRAFFIC of what its activations move), most bytes first, at most --island-trials of them, each tried on top of those
+               accepted before it: one emulated run per calibration batch
+               (passes/switchable.py: graphmp.emulate's FP16 storage / FP32 math, the
+               yardstick of the verdict) against the FP32 outputs calibration kept. A
+               candidate is accepted only where every output's error (max|a-b|/max|ref|,
+               worst batch) is at most FACTOR x its error without the candidate, or
+               below FLOOR; so an island that buys accuracy stays.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import policy
+from ..budget import errors
+from ..cast_cost import itemsize
+from ..cast_cost import compute_flops
+from ..context import FLOAT
+from . import PassResult
+from .classify import SQUARE_REASON
+from .paint import NORM_KEPT, float_edges, repaint
+from .regions import Region, whole
+
+# A candidate may raise no output's error at all (the measured error of the same plan on
+# the same batches is deterministic: any rise is a real change, and issue 26 asks for an
+# error no worse than paint's plan on every output)...
+FACTOR = 1.0
+# ... or must leave it below 2^-20 of the output's scale: 1/500 of an FP16 rounding, what
+# FP32 summation order alone changes (an output computed in FP32 has error 0 or ~1e-7).
+FLOOR = 2.0 ** -20
+MIN_SHARE = 0.10        # a candidate must save this share of the model's Cast bytes to be measured,
+MIN_TRAFFIC = 0.01      # and this share of the bytes its float activations move (written once, 4 bytes
+                        # each): Casts a style-transfer net hardly notices are not worth emulated runs
+MAX_BATCHES = 4         # calibration batches a trial runs on
+# What a FLOP moved from FP16 Tensor Cores to FP32 costs, in bytes of memory traffic that
+# take the same time on an H100 SXM (3.35e12 bytes/s): FP32 Conv/MatMul run on TF32
+# Tensor Cores where the runtime allows it (TensorRT's and cuDNN's default math for
+# convolutions, ONNX Runtime CUDA's use_tf32), at half the FP16 rate (494.7 vs 989.4
+# dense TFLOP/s). Elementwise work counts nothing: fused into the producing Conv (TensorRT,
+# cuDNN epilogues) it costs the same in either type, and unfused its FP32 intermediates
+# move about what the Casts they replace move (a Cast: 6 bytes per element).
+BYTES_PER_FLOP = 3.35e12 * (1 / 494.7e12 - 1 / 989.4e12)
+# Merges may give up at most this share of the model's Conv/MatMul FLOPs in all: a cheap
+# model whose activations are large (magika: 1.5 GFLOP, 16 MB of Casts) would otherwise
+# price every Tensor Core FLOP below its Casts and go FP32 whole.
+MERGE_FLOPS_SHARE = 0.10
+LOW_BYTES, FP32_BYTES = 2, 4
+MERGED = ("islands: merged with its FP32 neighbours (its Casts moved {mb:.3g} MB per inference, more than its "
+          "Tensor Core work is worth: {flops:.3g} FLOPs x {bpf:.3g} bytes; error x{ratio:.3g})")
+
+
+def trials_wanted(options) -> bool:
+    """The options under which the pass measures (the batches must also have run)."""
+    return options.island_trials > 0 and options.max_error is None and options.plan is None
+
+
+def precision_seed(n, info, norm_io: str) -> bool:
+    """n is FP32 by a precision rule the measurement may overrule: its FP32 op class
+    (classify rule 7, or a norm node paint left FP32) or a summed square (rule 8). With
+    --norm-io fp32 the user asked for Softmax/LayerNormalization islands: not seeds."""
+    if norm_io == "fp32" and n.op_type in policy.NORM_IO["all"]:
+        return False
+    return info.reason in (f"{n.op_type} is range-sensitive (FP32 op class)", NORM_KEPT.format(n.op_type),
+                           SQUARE_REASON) and bool(info.low_inputs or info.low_outputs)
+
+
+@dataclass
+class Candidate:
+    kind: str                                   # "drop" (an FP32 island in FP16) or "merge" (FP16 nodes in FP32)
+    nodes: frozenset                            # drop: the freed seeds; merge: the FP16 nodes made FP32
+    saved: float = 0.0                          # Cast bytes saved against the plan it was priced on
+    flops: float = 0.0                          # merge: Tensor Core FLOPs given up
+    record: dict = field(default_factory=dict)  # the report's entry
+
+
+class _Plans:
+    """The main graph's plans: paint's, and paint's with some FP32 seeds freed and some
+    FP16 groups merged into FP32; each priced by its Cast bytes."""
+
+    def __init__(self, ctx):
+        self.ctx, self.g = ctx, ctx.root
+        self.base = {n for n in self.g.nodes if n in ctx.lowered}
+        self.producers, self.consumers = self.g.producers(), self.g.consumers()
+        self.succ, self.pred = float_edges(ctx, self.g)
+        self._painted: dict = {}
+        self.model_flops = self.flops(self.g.nodes)
+        self.activation_bytes = FP32_BYTES * sum(float(np.prod(d, dtype=np.float64)) for d in ctx.shapes.values())
+
+    def lowered(self, freed: frozenset, merged: frozenset) -> set:
+        """The main graph's lowered nodes with `freed` seeds free and `merged` nodes FP32."""
+        if freed not in self._painted:
+            self._painted[freed] = repaint(self.ctx, self.g, freed) if freed else self.base
+        return self._painted[freed] - merged
+
+    def cast_bytes(self, low: set) -> float:
+        """Step 1: bytes the Casts of the plan `low` move per inference (main graph), as
+        apply places them: one Cast per tensor read in the other type, and a source
+        Cast to FLOAT from BOOL/INT8/UINT8 writes the low type where every reader wants it."""
+        g = self.g
+        outputs = set(g.output_names)
+        total = 0.0
+        for t, readers in list(self.consumers.items()) + [(o, []) for o in outputs if o not in self.consumers]:
+            if t in g.initializers or self.ctx.type_of(g, t) != FLOAT or t not in self.ctx.shapes:
+                continue  # weights are converted offline, not cast
+            total += self._tensor_bytes(t, readers, low, t in outputs)
+        return total
+
+    def _tensor_bytes(self, t, readers, low: set, is_output: bool) -> float:
+        """Cast bytes of float tensor t under the plan `low`: its source Cast (if it is one)
+        and the Cast to the type its producer does not write."""
+        ctx, info = self.ctx, self.ctx.info
+        elems = float(np.prod(ctx.shapes[t], dtype=np.float64))
+        p = self.producers.get(t)
+        made_low = p is not None and p in low and list(p.outputs).index(t) in info[p].low_outputs
+        wants = {c in low and i in info[c].low_inputs for c in readers for i, x in enumerate(c.inputs) if x == t}
+        wants |= {False for c in readers if t in c.implicit_inputs()}  # a body reads the source type
+        if is_output:
+            wants.add(made_low and not ctx.options.keep_io_types)
+        source = 0.0
+        if p is not None and p.op_type == "Cast":  # a source Cast to FLOAT (apply's step 5)
+            src = ctx.type_of(self.g, p.inputs[0])
+            read = itemsize(src) or FP32_BYTES
+            if src in policy.EXACT_IN_LOW and wants == {True}:
+                return elems * (read + LOW_BYTES)
+            source = elems * (read + FP32_BYTES)
+        return source + (elems * (LOW_BYTES + FP32_BYTES) if (not made_low) in wants else 0.0)
+
+    def groups(self, nodes) -> list[list]:
+        """Connected groups of `nodes` over float edges, in graph order."""
+        nodes, seen, out = set(nodes), set(), []
+        for n in self.g.nodes:
+            if n not in nodes or n in seen:
+                continue
+            group, todo = [], [n]
+            seen.add(n)
+            while todo:
+                m = todo.pop()
+                group.append(m)
+                for k in self.succ[m] + self.pred[m]:
+                    if k in nodes and k not in seen:
+                        seen.add(k)
+                        todo.append(k)
+            out.append(sorted(group, key=lambda m: m.order))
+        return out
+
+    def flops(self, nodes) -> float:
+        shapes = {**self.ctx.shapes, **{k: list(t.dims) for k, t in self.g.initializers.items()}}
+        return sum(compute_flops(n.proto, shapes) or 0.0 for n in nodes if policy.op_class(n.op_type, n.domain) == "fp16")
+
+
+def _drop_candidates(plans: _Plans) -> list[Candidate]:
+    """Step 2: each FP32 island with precision seeds, freed whole, and its seeds one by one."""
+    info = plans.ctx.info
+    fp32 = [n for n in plans.g.nodes if n not in plans.base and info[n].cls not in ("none", "fixed")]
+    out = []
+    for island in plans.groups(fp32):
+        seeds = [n for n in island if precision_seed(n, info[n], plans.ctx.options.norm_io)]
+        if not seeds:
+            continue
+        out.append(Candidate("drop", frozenset(seeds)))
+        if len(seeds) > 1:
+            out += [Candidate("drop", frozenset([s])) for s in seeds]
+    return out
+
+
+def _merge_candidates(plans: _Plans) -> list[Candidate]:
+    """Step 3: connected FP16 groups (no --fp16-nodes among them) whose Casts cost more
+    than their Tensor Core work is worth."""
+    rx = re.compile(plans.ctx.options.fp16_nodes) if plans.ctx.options.fp16_nodes else None
+    return [Candidate("merge", frozenset(group), flops=plans.flops(group)) for group in plans.groups(plans.base)
+            if not (rx and any(rx.search(n.name) for n in group))]
+
+
+class _Measure:
+    """Step 4's yardstick: the plans of the main graph run on one switchable model (each
+    node a candidate may move is its own unit), against calibration's FP32 outputs."""
+
+    def __init__(self, ctx, plans: _Plans, movable: set):
+        from .switchable import Switchable
+        self.ctx, self.plans = ctx, plans
+        self.movable = sorted(movable, key=lambda n: n.order)
+        self.unit = {n: k for k, n in enumerate(self.movable)}
+        k = min(len(ctx.batch_outputs), len(ctx.batches), MAX_BATCHES)
+        self.batches, self.refs = ctx.batches[:k], ctx.batch_outputs[:k]
+        saved = set(ctx.lowered)
+        ctx.lowered -= set(self.movable)  # movable nodes are switched; the rest of paint's plan is rounded always
+        try:
+            self.model = Switchable(ctx, [Region(nodes=[n], graph=plans.g.key) for n in self.movable])
+        finally:
+            ctx.lowered.clear()
+            ctx.lowered.update(saved)
+        self.runs = 0
+
+    def measurable(self, low: set) -> bool:
+        fixed = self.plans.base - set(self.movable)
+        return fixed <= low <= self.plans.base | set(self.movable)
+
+    def errors(self, low: set) -> dict:
+        """{output: max|a-b|/max|ref|, worst batch} of the plan `low`."""
+        fp32 = whole(k for n, k in self.unit.items() if n not in low)
+        self.runs += 1
+        return errors(self.refs, [self.model.outputs(b, fp32) for b in self.batches], "max-rel")
+
+
+def within(new: dict, old: dict) -> bool:
+    """Every output's error at most FACTOR x before, or below FLOOR."""
+    return all(e <= FACTOR * old.get(k, 0.0) or e <= FLOOR for k, e in new.items())
+
+
+def _plan_of(plans: _Plans, c: Candidate, freed=frozenset(), merged=frozenset()) -> tuple:
+    """(freed, merged, lowered) with candidate c on top of the plan (freed, merged)."""
+    freed = freed | c.nodes if c.kind == "drop" else freed
+    merged = merged | c.nodes if c.kind == "merge" else merged
+    return freed, merged, plans.lowered(freed, merged)
+
+
+def _worth(plans: _Plans, c: Candidate, saved: float, total: float, merged_flops: float = 0.0) -> bool:
+    """Worth measuring: saves MIN_SHARE of the model's Cast bytes; a merge, more bytes than
+    its Tensor Core work is worth, within MERGE_FLOPS_SHARE of the model's FLOPs with the
+    merges accepted before it (merged_flops)."""
+    if saved <= 0 or saved < MIN_SHARE * total or saved < MIN_TRAFFIC * plans.activation_bytes:
+        return False
+    return c.kind == "drop" or (saved > c.flops * BYTES_PER_FLOP
+                                and c.flops + merged_flops <= MERGE_FLOPS_SHARE * plans.model_flops)
+
+
+def _chosen(plans: _Plans, total: float, limit: int) -> list[Candidate]:
+    """Steps 2-3: the candidates worth measuring, most bytes saved first, at most `limit`,
+    each plan once."""
+    out, seen = [], set()
+    for c in _drop_candidates(plans) + _merge_candidates(plans):
+        low = frozenset(_plan_of(plans, c)[2])
+        c.saved = total - plans.cast_bytes(low)
+        if low not in seen and _worth(plans, c, c.saved, total):
+            seen.add(low)
+            out.append(c)
+    return sorted(out, key=lambda c: -c.saved)[:limit]
+
+
+def _record(c: Candidate, total: float) -> dict:
+    names = sorted(n.name for n in c.nodes)
+    r = {"kind": c.kind, ("seeds" if c.kind == "drop" else "nodes"): names[:12], "node_count": len(names),
+         "cast_bytes_saved": c.saved, "share_of_cast_bytes": c.saved / total if total else 0.0}
+    if c.kind == "merge":
+        r.update(flops=c.flops, flops_worth_bytes=c.flops * BYTES_PER_FLOP)
+    return r
+
+
+def _try(plans: _Plans, m: _Measure, c: Candidate, state: dict, total: float) -> dict:
+    """Step 4 for one candidate on top of the accepted plan `state` (updated when the
+    candidate is accepted); returns its report entry."""
+    rec = _record(c, total)
+    freed, merged, low = _plan_of(plans, c, state["freed"], state["merged"])
+    after = plans.cast_bytes(low)
+    c.saved = rec["cast_bytes_saved"] = state["bytes"] - after
+    if not _worth(plans, c, c.saved, total, plans.flops(state["merged"])):
+        rec["decision"] = "not tried: the trials accepted before it took its Casts or its FLOPs share"
+        return rec
+    if not m.measurable(low):
+        rec["decision"] = "not tried: its plan moves nodes outside the measured ones"
+        return rec
+    err = m.errors(low)
+    rec.update(errors_before=state["errors"], errors_after=err)
+    worst = max(err, key=lambda k: err[k] / state["errors"][k] if state["errors"].get(k) else 0.0, default=None)
+    if within(err, state["errors"]):
+        rec["decision"] = ("FP16: the island buys no accuracy" if c.kind == "drop"
+                           else "FP32: its Casts cost more than its FP16 work saves")
+        rec["error_ratio"] = max((e / state["errors"][k] for k, e in err.items() if state["errors"].get(k)),
+                                 default=1.0)
+        state.update(freed=freed, merged=merged, low=low, bytes=after, errors=err)
+    else:
+        rec["decision"] = ("kept FP32: it buys accuracy" if c.kind == "drop" else "kept FP16: FP32 changes the error") \
+            + f" ({worst}: {state['errors'].get(worst, 0.0):.3g} -> {err[worst]:.3g})"
+    return rec
+
+
+def _commit(ctx, plans: _Plans, state: dict, accepted: list) -> None:
+    """The accepted plan into ctx: the freed seeds' and the new paint's reasons, merged
+    nodes FP32 with their reason, the main graph's lowered nodes."""
+    if state["freed"]:
+        repaint(ctx, plans.g, state["freed"], commit=True)
+    for c, rec in accepted:
+        if c.kind == "merge":
+            for n in c.nodes:
+                ctx.info[n].cls = "fp32"
+                ctx.info[n].reason = MERGED.format(mb=rec["cast_bytes_saved"] / 1e6, flops=c.flops,
+                                                   bpf=BYTES_PER_FLOP, ratio=rec.get("error_ratio", 1.0))
+    ctx.lowered -= set(plans.g.nodes)
+    ctx.lowered |= state["low"]
+
+
+def run(ctx) -> PassResult:
+    if not (trials_wanted(ctx.options) and ctx.batches and ctx.batch_outputs):
+        return PassResult(changed=False)
+    t0 = time.perf_counter()
+    plans = _Plans(ctx)
+    total = plans.cast_bytes(plans.base)
+    details = {"cast_bytes_before": total, "factor": FACTOR, "floor": FLOOR, "min_share": MIN_SHARE, "trials": []}
+    chosen = _chosen(plans, total, ctx.options.island_trials) if total else []
+    if not chosen:
+        details.update(cast_bytes_after=total, runs=0, seconds=round(time.perf_counter() - t0, 3))
+        return PassResult(changed=False, details=details)
+    seeds = frozenset(n for c in chosen if c.kind == "drop" for n in c.nodes)
+    movable = (plans.lowered(seeds, frozenset()) - plans.base) | {n for c in chosen if c.kind == "merge" for n in c.nodes}
+    m = _Measure(ctx, plans, movable)
+    state = {"freed": frozenset(), "merged": frozenset(), "low": plans.base, "bytes": total,
+             "errors": m.errors(plans.base)}
+    accepted = []
+    for c in chosen:
+        rec = _try(plans, m, c, state, total)
+        details["trials"].append(rec)
+        ctx.log(f"islands: {c.kind} {rec.get('seeds', rec.get('nodes'))[:3]}: {rec['decision']}")
+        if rec["decision"].startswith(("FP16:", "FP32:")):
+            accepted.append((c, rec))
+    _commit(ctx, plans, state, accepted)
+    details.update(cast_bytes_after=state["bytes"], runs=m.runs, seconds=round(time.perf_counter() - t0, 3))
+    return PassResult(changed=False, details=details)
+
+
+# the steps of the module docstring, in its order (tests/test_policy.py holds them equal)
+STEPS = [("price", _Plans.cast_bytes), ("drop", _drop_candidates), ("merge", _merge_candidates), ("measure", _try)]

@@ -1,0 +1,147 @@
+"""The islands pass (issue 26, graphmp/passes/islands.py): an FP32 island whose Casts cost a
+large share of the model's bytes is measured; it goes FP16 only where no output's error
+grows, an island that buys accuracy stays, user-pinned nodes are never tried, and an FP16
+group between FP32 work whose Casts cost more than its Tensor Core work joins the FP32."""
+import re
+
+import numpy as np
+import onnx
+from onnx import TensorProto as TP
+from onnx import helper as oh
+from onnx import numpy_helper as nph
+
+import graphmp
+from graphmp.check import check
+
+
+def _model(nodes, inputs, outputs, inits, opset=17):
+    g = oh.make_graph(nodes, "islands", inputs, outputs, inits)
+    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", opset)], ir_version=8)
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def _w(seed, shape, scale=0.3):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def _feeds(name, shape, seeds=(1, 2)):
+    return [{name: np.random.default_rng(s).standard_normal(shape).astype(np.float32)} for s in seeds]
+
+
+def _casts(model) -> int:
+    return sum(n.op_type == "Cast" for n in model.graph.node)
+
+
+def _trial(rep, kind):
+    return next(t for t in rep.to_dict()["islands"]["trials"] if t["kind"] == kind)
+
+
+def free_island():
+    """x -> convA -> ReduceSum over the batch axis (size 1: exact) -> convB -> y. The
+    ReduceSum is an FP32 island by its op class; in FP16 it computes the same values."""
+    nodes = [oh.make_node("Conv", ["x", "wa"], ["a"], name="convA", pads=[1, 1, 1, 1]),
+             oh.make_node("ReduceSum", ["a", "axes"], ["s"], name="rsum", keepdims=1),
+             oh.make_node("Conv", ["s", "wb"], ["y"], name="convB", pads=[1, 1, 1, 1])]
+    inits = [nph.from_array(_w(1, (4, 4, 3, 3)), "wa"), nph.from_array(_w(2, (4, 4, 3, 3)), "wb"),
+             nph.from_array(np.array([0], np.int64), "axes")]
+    return _model(nodes, [oh.make_tensor_value_info("x", TP.FLOAT, [1, 4, 8, 8])],
+                  [oh.make_tensor_value_info("y", TP.FLOAT, [1, 4, 8, 8])], inits)
+
+
+def test_an_island_that_buys_no_accuracy_goes_fp16_and_its_casts_go():
+    m, data = free_island(), _feeds("x", (1, 4, 8, 8))
+    kept = graphmp.convert(m, None, calibration=data, island_trials=0)
+    rep = graphmp.convert(m, None, calibration=data)
+    assert kept.fp32_nodes["rsum"].startswith("ReduceSum is range-sensitive")
+    assert "rsum" not in rep.fp32_nodes and "rsum" not in rep.to_dict()["norm_io"]["lowered"]
+    assert _casts(kept.model) == 4 and _casts(rep.model) == 2          # x in, y out: the island's two Casts went
+    t = _trial(rep, "drop")
+    assert t["seeds"] == ["rsum"] and t["decision"].startswith("FP16")
+    assert t["errors_after"]["y"] <= t["errors_before"]["y"] + 2 ** -20
+    d = rep.to_dict()
+    assert d["islands"]["cast_bytes_after"] < d["islands"]["cast_bytes_before"]
+    assert d["cast_traffic"]["bytes"] < kept.to_dict()["cast_traffic"]["bytes"]
+    assert check(m, rep.model, data).passed
+
+
+def test_user_pinned_fp32_nodes_are_never_tried():
+    m, data = free_island(), _feeds("x", (1, 4, 8, 8))
+    rep = graphmp.convert(m, None, calibration=data, fp32_nodes="^rsum$")
+    assert rep.fp32_nodes["rsum"] == "user: --fp32-nodes" and _casts(rep.model) == 4
+    assert not [t for t in rep.to_dict()["islands"]["trials"] if t["kind"] == "drop"]
+    rep = graphmp.convert(m, None, calibration=data, fp32_ops=["ReduceSum"])
+    assert rep.fp32_nodes["rsum"] == "user: --fp32-ops" and _casts(rep.model) == 4
+
+
+def variance():
+    """x -> MatMul -> +8 -> h; var = mean(h*h) - mean(h)^2 (a decomposed variance, as
+    jax2tf exports it) is an output; y = MatMul(h) another. In FP16 the squares round to
+    1/32 at ~100 and the difference (~1) keeps little of them: the island buys accuracy."""
+    nodes = [oh.make_node("MatMul", ["x", "w1"], ["m"], name="mm1"),
+             oh.make_node("Add", ["m", "eight"], ["h"], name="shift"),
+             oh.make_node("ReduceMean", ["h"], ["mean"], name="mean", axes=[-1]),
+             oh.make_node("Mul", ["h", "h"], ["sq"], name="square"),
+             oh.make_node("ReduceMean", ["sq"], ["ms"], name="mean_sq", axes=[-1]),
+             oh.make_node("Mul", ["mean", "mean"], ["m2"], name="mean2"),
+             oh.make_node("Sub", ["ms", "m2"], ["var"], name="var"),
+             oh.make_node("MatMul", ["h", "w2"], ["y"], name="mm2")]
+    inits = [nph.from_array(_w(3, (16, 16)), "w1"), nph.from_array(_w(4, (16, 16)), "w2"),
+             nph.from_array(np.array(8.0, np.float32), "eight")]
+    return _model(nodes, [oh.make_tensor_value_info("x", TP.FLOAT, [4, 16])],
+                  [oh.make_tensor_value_info("var", TP.FLOAT, [4, 1]), oh.make_tensor_value_info("y", TP.FLOAT, [4, 16])],
+                  inits)
+
+
+def test_an_island_that_buys_accuracy_stays_fp32():
+    m, data = variance(), _feeds("x", (4, 16))
+    rep = graphmp.convert(m, None, calibration=data)
+    for name in ("mean", "square", "mean_sq", "var"):
+        assert name in rep.fp32_nodes, (name, rep.fp32_nodes)
+    t = _trial(rep, "drop")
+    assert t["decision"].startswith("kept FP32: it buys accuracy")
+    assert t["errors_after"]["var"] > t["errors_before"]["var"]
+    assert _casts(rep.model) == _casts(graphmp.convert(m, None, calibration=data, island_trials=0).model)
+
+
+def branch_into_fp32():
+    """x -> convA (3->4, 1x1: few FLOPs) -> Tanh -> convB (kept FP32 by --fp32-nodes) -> y1
+       x -> convC (3->8, 3x3: the model's Tensor Core work) -> y2
+    convA/Tanh sit between the FP32 input and FP32 work: FP16 there costs the Cast of
+    Tanh's output, more than convA's FLOPs are worth."""
+    nodes = [oh.make_node("Conv", ["x", "wa"], ["a"], name="convA"),
+             oh.make_node("Tanh", ["a"], ["t"], name="tanh"),
+             oh.make_node("Conv", ["t", "wb"], ["y1"], name="convB"),
+             oh.make_node("Conv", ["x", "wc"], ["y2"], name="convC", pads=[1, 1, 1, 1])]
+    inits = [nph.from_array(_w(5, (4, 3, 1, 1)), "wa"), nph.from_array(_w(6, (4, 4, 1, 1)), "wb"),
+             nph.from_array(_w(7, (8, 3, 3, 3)), "wc")]
+    return _model(nodes, [oh.make_tensor_value_info("x", TP.FLOAT, [1, 3, 8, 8])],
+                  [oh.make_tensor_value_info("y1", TP.FLOAT, [1, 4, 8, 8]),
+                   oh.make_tensor_value_info("y2", TP.FLOAT, [1, 8, 8, 8])], inits)
+
+
+def test_an_fp16_group_between_fp32_work_joins_it_when_its_casts_cost_more():
+    m, data = branch_into_fp32(), _feeds("x", (1, 3, 8, 8))
+    rep = graphmp.convert(m, None, calibration=data, fp32_nodes="^convB$")
+    for name in ("convA", "tanh"):
+        assert rep.fp32_nodes[name].startswith("islands: merged with its FP32 neighbours"), rep.fp32_nodes
+    assert "convC" not in rep.fp32_nodes
+    t = _trial(rep, "merge")
+    assert t["nodes"] == ["convA", "tanh"] and t["cast_bytes_saved"] > t["flops_worth_bytes"]
+    off = graphmp.convert(m, None, calibration=data, fp32_nodes="^convB$", island_trials=0)
+    assert "convA" not in off.fp32_nodes and _casts(rep.model) == _casts(off.model) - 1
+    assert check(m, rep.model, data).passed
+
+
+def test_nothing_is_tried_without_batches_or_with_a_budget():
+    m = free_island()
+    assert "islands" not in graphmp.convert(m, None, calibration="off").to_dict()
+    rep = graphmp.convert(m, None, max_error=0.05)
+    assert "islands" not in rep.to_dict()
+
+
+def test_island_steps_are_those_its_docstring_lists():
+    from graphmp.passes import islands
+    listed = re.findall(r"^\s+(\d+)\. (\w+):", islands.__doc__, re.M)
+    assert [int(i) for i, _ in listed] == list(range(1, len(islands.STEPS) + 1))
+    assert [name for _, name in listed] == [name for name, _ in islands.STEPS]
