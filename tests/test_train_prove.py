@@ -169,6 +169,24 @@ def test_a_fully_static_streaming_model_takes_whole_inputs_stacked_per_sample(tm
         import json
         make_source(str(bad), json.loads((run / "train.json").read_text()))
     assert "accepted: [samples, 1, 4, 4]" in str(e.value) and "[samples, 2, 1, 4, 4] for every input" in str(e.value)
+    assert "given once beside stacked inputs" in str(e.value)
+
+
+def test_a_static_streaming_models_zero_cache_can_be_given_once(tmp_path):
+    """The cache at exactly its input's shape [2, 1, 4, 4], beside frames stacked one per
+    sample: fed with every step (a zero initial state), as the docs' streaming recipe says."""
+    from graphmp.cli import main
+    from graphmp.train import train
+    run = tmp_path / "run"
+    assert main(["train-graph", _streaming(tmp_path), "-o", str(run), "--loss", "mse", "-q"]) == 0
+    mix = np.random.default_rng(0).standard_normal((6, 1, 5, 2)).astype(np.float32)
+    cache = np.full((2, 1, 4, 4), 0.5, np.float32)
+    swap = np.array([[0, 1], [1, 0]], np.float32)
+    np.savez(tmp_path / "d.npz", cache=cache, mix=mix, labels=mix @ swap + 0.5)
+    res = train(str(run), str(tmp_path / "d.npz"), batch_size=1, epochs=3, progress=False)
+    assert res.summary["steps"] == 18                     # six samples a step each, three epochs
+    losses = res.history["loss"]
+    assert np.mean(losses[-6:]) < np.mean(losses[:6])     # it learns the swap, the cache's 0.5 added
 
 
 DIGITS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "data", "digits.npz")

@@ -328,12 +328,57 @@ def _select_weights(s: _Source, f: _Forward, trainable: str | None) -> None:
                            + source.subgraph_weights_note(s.model) + ".")
     f.bn_stats = [n for n in f.running if n in values]
     lift_to_inputs(fwd, f.weights + f.bn_stats)
+    # the loss's output keeps its declaration (measured, or redeclared from the graph) as
+    # value_info: a Resize to sizes computed at run time gets its output lengths from it,
+    # which onnx inference alone gives with a fresh batch symbol (its gradient then refuses)
+    known = {v.name for v in fwd.graph.value_info}
+    kept = [copy.deepcopy(o) for o in fwd.graph.output if o.name == s.out_name and o.name not in known]
+    fwd.graph.value_info.extend(kept)
+    if kept and not _agrees_with_inference(fwd):
+        # ONNX's inference computes other lengths than ONNX Runtime ran (a ConvTranspose with
+        # SAME padding and output_padding: 11 vs 10): the declaration would fail the checker
+        del fwd.graph.value_info[len(fwd.graph.value_info) - len(kept):]
     del fwd.graph.output[:]
     fwd.graph.output.append(helper.make_tensor_value_info(f.loss_t, TensorProto.FLOAT, []))
     for r in f.bn_stats:
         fwd.graph.output.append(helper.make_tensor_value_info(f.running[r], TensorProto.FLOAT,
                                                               list(values[r].shape)))
     prune(fwd)
+
+
+def _agrees_with_inference(model) -> bool:
+    """ONNX's strict shape inference accepts the model's declarations."""
+    try:
+        onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    except onnx.shape_inference.InferenceError:
+        return False
+    return True
+
+
+# AdamW moves every element by about lr a step whatever its gradient: above this fraction of a
+# weight matrix's RMS, one step reshapes it (1e-3 is the usual fraction: lr 1e-3 on weights ~1)
+ADAMW_STEP_OF_RMS = 0.25
+
+
+def _small_weight_warning(s: _Source, f: _Forward, cfg: dict) -> None:
+    """A train.json warning (train-graph prints it) when AdamW's lr is large beside the RMS of
+    a trainable weight matrix (ndim >= 2; zero tensors, a fresh init, do not count): a fixed
+    DSP front end (openwakeword's mel filterbank, RMS 1e-3, 97% zeros) is pushed negative
+    under its Log in one step at lr 1e-3, its bins die at the Clip floor and the loss jumps
+    100x. It names the --lr that gives steps of 1e-3 of that RMS."""
+    if cfg["optimizer"] != "adamw":
+        return
+    lr = float(cfg["lr"])
+    rms = {w: float(np.sqrt(np.mean(np.square(s.values[w], dtype=np.float64)))) for w in f.weights
+           if s.values[w].ndim >= 2}
+    small = sorted((r, w) for w, r in rms.items() if 0 < r and lr > ADAMW_STEP_OF_RMS * r)
+    if not small:
+        return
+    r, w = small[0]
+    more = f" (and {len(small) - 1} more)" if len(small) > 1 else ""
+    f.warnings.append(f"{s.path}: weight '{w}'{more} has RMS {r:.2g}, small beside lr {lr:g}: AdamW moves every "
+                      f"element by about lr a step ({lr / r:.0%} of its RMS), which can make the loss jump rather "
+                      f"than fall; give --lr {1e-3 * r:.0e} (1e-3 of that RMS), or leave it out of --trainable")
 
 
 def _refuse_frozen_int8(s: _Source, f: _Forward, deps: set, trainable: str | None) -> None:
@@ -366,7 +411,10 @@ def _convert_precision(s: _Source, f: _Forward, cfg: dict, config: StepConfig) -
         f.generated = calibration_batch(s.model, s.base, config.shapes, s.path, cfg, f.label_dims, f.label_elem, {})
         cal = [{**f.generated, **{w: s.values[w] for w in f.weights + f.bn_stats}}]
     carried = declared_dims(f.model) if f.measured["tensors"] else {}
-    rep = convert(f.model, calibration=cal, keep_io_types=True,
+    # island_trials=0: the measured-islands step prices a node's Casts against its forward
+    # FLOPs only; in a step graph each node's precision also sets its backward's (about twice
+    # the forward's work), so training keeps paint's plan
+    rep = convert(f.model, calibration=cal, keep_io_types=True, island_trials=0,
                   **({"target": "bf16"} if cfg["precision"] == "bf16" else {}))
     f.model, f.convert_report = rep.model, rep.to_dict()
     if carried:  # convert re-derives value_info, dropping what was measured: declared again
@@ -583,6 +631,7 @@ def build_step(model, out_dir, config: StepConfig | None = None, **options) -> d
     s = _load_source(path, cfg)
     f = _forward_and_loss(s, cfg, config)
     _select_weights(s, f, config.trainable)
+    _small_weight_warning(s, f, cfg)
     _convert_precision(s, f, cfg, config)
     b, grads, st = _add_backward(s, f, cfg, config.expose_grads)
     _add_update(s, f, b, cfg, grads, st)

@@ -181,17 +181,22 @@ def gather_elements(em, node, g):
 def scatter(em, node, g):
     """Y = X with updates written at the indices (reduction none): dX = dY with the written
     positions zeroed (the same scatter of zeros), dupdates = dY gathered at the indices
-    (GatherElements / GatherND). Indices are assumed unique, as the op requires."""
+    (GatherElements / GatherND). Indices are assumed unique, as the op requires.
+    reduction add (torch's scatter_add / index_put accumulate; repeated indices allowed):
+    Y = X + the updates summed at their indices, so dX = dY and dupdates = dY gathered."""
     x, ind, upd = node.input
     red = attr(node, "reduction", b"none")
     red = red.decode() if isinstance(red, bytes) else red
-    if red != "none":
-        raise GraphmpError(f"node '{node.name}' ({node.op_type}): reduction={red} is not differentiated "
-                           "(only plain writes)")
+    if red not in ("none", "add"):
+        raise GraphmpError(f"node '{node.name}' ({node.op_type}): reduction={red} is not differentiated (reduction "
+                           "none and add are); export the scatter as a plain write or an add (torch: scatter / "
+                           "scatter_add instead of scatter_reduce)")
     elements = node.op_type == "ScatterElements"
     kw = {"axis": attr(node, "axis", 0)} if elements else {}
     out = [None, None, None]
-    if em.needs(x):
+    if em.needs(x) and red == "add":
+        out[0] = g[0]
+    elif em.needs(x):
         zeros = em.op("ConstantOfShape", [em.shape(upd)], value=helper.make_tensor("zero", em.dtype(x), [1], [0]))
         out[0] = em.op(node.op_type, [g[0], ind, zeros], **kw)
     if em.needs(upd):
