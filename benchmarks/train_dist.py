@@ -13,9 +13,13 @@ throughput(dp-N) / (N x throughput(dp-1)). On a 2-core machine N=2 shares the co
 single rank had: the efficiency says what the all-reduce and the split cost, not what a
 second machine would give.
 
-usage: python benchmarks/train_dist.py [--nproc 2] [--batch-size 16] [--epochs 3] [--json out.json]
-On a GPU machine the same script measures the CPU path only (CUDA ranks are not built yet);
-docs/train.md gives the multi-node torchrun command.
+usage: python benchmarks/train_dist.py [--nproc 2] [--batch-size 16] [--epochs 3]
+                                      [--bert-base-layers 12] [--json out.json]
+A fourth workload is a BERT-base-sized encoder (benchmarks/synth.py, 110 M parameters at 12
+layers: the all-reduce moves 440 MB a step), batch 2 per rank, 6 steps.
+On a GPU machine with onnxruntime-gpu and a CUDA torch the ranks run on CUDA and reduce
+with NCCL (--device auto); with one GPU run it with --nproc 1, which measures the split
+step and the all-reduce overhead of a world of one. Several GPUs: docs/train.md.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ import onnx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), HERE]
 GRAPHMP = [sys.executable, "-m", "graphmp.cli"]
 
 
@@ -59,6 +63,22 @@ def workloads(tmp: str, n_samples: int) -> list:
     return out
 
 
+def bert_base(tmp: str, layers: int, seq: int = 64, n_samples: int = 64) -> tuple:
+    """A BERT-base-sized encoder (hidden 768, 12 heads, FFN 3072, vocab 30522: 110 M
+    parameters at 12 layers, a 440 MB all-reduce per step), benchmarks/synth.py's layout,
+    trained with mse on its last hidden state; (name, model, data, flags, overrides)."""
+    import synth
+    p, d = os.path.join(tmp, "bert-base.onnx"), os.path.join(tmp, "bert-base.npz")
+    synth.save(synth.bert(layers=layers), p)
+    r = np.random.default_rng(0)
+    ids = r.integers(0, 30522, (n_samples, seq)).astype(np.int64)
+    np.savez(d, input_ids=ids, attention_mask=np.ones_like(ids),
+             labels=r.standard_normal((n_samples, seq, 768)).astype(np.float32))
+    flags = ["--loss", "mse", "--optimizer", "adamw", "--lr", "1e-4", "--precision", "fp32",
+             "--shapes", f"input_ids:2x{seq},attention_mask:2x{seq}"]
+    return (f"bert-base-{layers}l", p, d, flags, {"batch_size": 2, "max_steps": 6})
+
+
 def _error(p) -> str:
     """graphmp's own error line of a failed command (torchrun's log lines aside)."""
     lines = p.stderr.strip().splitlines()
@@ -72,8 +92,11 @@ def run(cmd: list, timeout: float) -> tuple[float, subprocess.CompletedProcess]:
     return time.perf_counter() - t0, p
 
 
-def measure(name, model, data, flags, args, tmp) -> dict:
-    row = {"workload": name}
+def measure(name, model, data, flags, args, tmp, overrides=None) -> dict:
+    """One workload's row: single, dp-1 and dp-N (overrides: batch_size, max_steps for it)."""
+    o = overrides or {}
+    batch = o.get("batch_size", args.batch_size)
+    row = {"workload": name, "per_rank_batch": batch}
     for label, extra in (("single", []), ("dp-1", ["--nproc", "1"]), (f"dp-{args.nproc}", ["--nproc", str(args.nproc)])):
         rd = os.path.join(tmp, f"{name}-{label}")
         wall, p = run(GRAPHMP + ["train-graph", model, "-o", rd, "--force", "-q", *flags], args.timeout)
@@ -81,8 +104,10 @@ def measure(name, model, data, flags, args, tmp) -> dict:
             row[label] = {"error": _error(p)}
             continue
         summ = os.path.join(tmp, f"{name}-{label}.json")
-        cmd = GRAPHMP + ["train", rd, "--data", data, "--batch-size", str(args.batch_size), "--epochs",
+        cmd = GRAPHMP + ["train", rd, "--data", data, "--batch-size", str(batch), "--epochs",
                          str(args.epochs), "-q", "--no-resume", *extra]
+        if "max_steps" in o:
+            cmd += ["--max-steps", str(o["max_steps"])]
         if extra:
             cmd += ["--dist-summary", summ]
         wall, p = run(cmd, args.timeout)
@@ -92,7 +117,7 @@ def measure(name, model, data, flags, args, tmp) -> dict:
         r = {"wall_s": wall}
         if extra:
             s = json.load(open(summ))
-            per_rank = args.batch_size
+            per_rank = batch
             r.update(steps=s["steps"], loop_s=s["seconds"], steps_per_s=s["steps"] / s["seconds"],
                      samples_per_s=s["steps"] * s["global_batch"] / s["seconds"], split=s["seconds_per_step"],
                      global_batch=s["global_batch"], per_rank_batch=per_rank)
@@ -100,7 +125,7 @@ def measure(name, model, data, flags, args, tmp) -> dict:
             s = json.load(open(os.path.join(rd, "summary.json")))
             t = s.get("seconds_per_step")
             r.update(steps=s.get("steps_this_call"), median_step_s=t,
-                     samples_per_s=args.batch_size / t if t else None)
+                     samples_per_s=batch / t if t else None)
         row[label] = r
     one, many = row.get("dp-1", {}), row.get(f"dp-{args.nproc}", {})
     if "samples_per_s" in one and "samples_per_s" in many:
@@ -115,12 +140,17 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--samples", type=int, default=1024)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--bert-base-layers", type=int, default=12, metavar="L",
+                    help="also a BERT-base-sized encoder of L layers, batch 2 per rank, 6 steps (0: leave it out)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="graphmp-train-dist-") as tmp:
-        for name, model, data, flags in workloads(tmp, args.samples):
-            row = measure(name, model, data, flags, args, tmp)
+        jobs = [(*w, None) for w in workloads(tmp, args.samples)]
+        if args.bert_base_layers:
+            jobs.append(bert_base(tmp, args.bert_base_layers))
+        for name, model, data, flags, overrides in jobs:
+            row = measure(name, model, data, flags, args, tmp, overrides)
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\n| workload | single samples/s | dp-1 samples/s | dp-{args.nproc} samples/s | efficiency | dp-{args.nproc} s/step: "

@@ -2,6 +2,7 @@
 ranks on the CPU, launched as a user launches them (`graphmp train --nproc 2`)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,6 +90,9 @@ def test_a_rank_that_dies_ends_the_job_quickly(tmp_path):
         os.killpg(p.pid, signal.SIGKILL)
         pytest.fail("the job did not end within 60 s of a rank dying")
     assert p.returncode != 0 and time.perf_counter() - t0 < 75
+    err = p.stderr.read()
+    assert "graphmp: error: rank 0: the all-reduce failed" in err and "rerun the command" in err, err[-1500:]
+    assert "Traceback" not in err, err[-3000:]
 
 
 def test_resume_needs_the_same_world_and_batch(tmp_path):
@@ -142,3 +146,88 @@ def test_bad_data_fails_the_job_before_the_first_step_naming_rank_and_file(tmp_p
     assert errors and all(ln.startswith("graphmp: error: rank ") and "bad.npz" in ln for ln in errors), errors
     assert not os.path.exists(os.path.join(run, "checkpoint.json"))
     assert "Traceback" not in res.stderr
+
+
+def test_accumulation_reduces_once_per_window_and_matches_one_process(tmp_path):
+    """--accumulate 2: 2 ranks x batch 8 give the weights of 1 process x batch 16 (10
+    updates of 2 runs each), and the all-reduce runs once per window, not per batch."""
+    np.savez(tmp_path / "d.npz", **tiny.blobs(64))
+    kw = dict(optimizer="adamw", precision="fp32", lr=0.05, grad_accum=2)
+    one, two = _run(tmp_path, "one", **kw), _run(tmp_path, "two", **kw)
+    train(one, str(tmp_path / "d.npz"), epochs=5, batch_size=16, progress=False)
+    res = _dp(two, tmp_path / "d.npz", "--epochs", "5", "--batch-size", "8", "--dist-summary", str(tmp_path / "s.json"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert (summary["steps"], summary["updates"], summary["accumulate"]) == (20, 10, 2)
+    a, b = latest_state(one)[0], latest_state(two)[0]
+    assert int(a["optimizer_step"]) == int(b["optimizer_step"]) == 10
+    meta = json.loads(open(os.path.join(one, "train.json")).read())
+    for w in meta["weights"]:
+        np.testing.assert_allclose(b[w], a[w], rtol=1e-6, atol=1e-6 * float(np.abs(a[w]).max()), err_msg=w)
+
+
+def test_eval_with_nproc_is_the_whole_sets_eval_of_the_final_weights(tmp_path):
+    from graphmp.train.loop import evaluate
+    np.savez(tmp_path / "d.npz", **tiny.blobs(64))
+    np.savez(tmp_path / "e.npz", **tiny.blobs(37, seed=5))   # odd: the ranks' shards differ in size
+    run = _run(tmp_path, "run", optimizer="sgd", precision="fp32", lr=0.05)
+    res = _dp(run, tmp_path / "d.npz", "--epochs", "2", "--batch-size", "8", "--eval", str(tmp_path / "e.npz"),
+              "--dist-summary", str(tmp_path / "s.json"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    evals = json.loads((tmp_path / "s.json").read_text())["eval_per_epoch"]
+    assert [e["epoch"] for e in evals] == [1, 2] and evals[-1]["samples"] == 37
+    assert "epoch 2: eval loss" in res.stdout
+    ref = evaluate(run, str(tmp_path / "e.npz"), state=latest_state(run)[0])
+    assert evals[-1]["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert evals[-1]["accuracy"] == pytest.approx(ref["accuracy"], abs=1e-6)
+
+
+def test_sync_bn_averages_the_running_statistics_over_the_ranks(tmp_path):
+    """After one step the running mean is linear in the batch means: the ranks' average is
+    the running mean of the global batch (one process, batch 16). Without --sync-bn rank 0
+    keeps its own half's."""
+    p = tmp_path / "cnn.onnx"
+    onnx.save(tiny.cnn(), p)
+    np.savez(tmp_path / "d.npz", **tiny.bars(32))
+    runs = {}
+    for name in ("one", "sync", "own"):
+        runs[name] = str(tmp_path / name)
+        build_step(str(p), runs[name], loss="cross-entropy", optimizer="sgd", precision="fp32")
+    train(runs["one"], str(tmp_path / "d.npz"), batch_size=16, max_steps=1, progress=False)
+    for name, extra in (("sync", ["--sync-bn"]), ("own", [])):
+        res = _dp(runs[name], tmp_path / "d.npz", "--batch-size", "8", "--max-steps", "1", *extra)
+        assert res.returncode == 0, res.stderr[-2000:]
+    ref, synced, own = (latest_state(runs[k])[0]["bn.running_mean"] for k in ("one", "sync", "own"))
+    np.testing.assert_allclose(synced, ref, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(own, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_max_restarts_resumes_after_a_rank_dies_and_ends_with_the_uninterrupted_weights(tmp_path):
+    np.savez(tmp_path / "d.npz", **tiny.blobs(3000))
+    whole, hit = (_run(tmp_path, name, optimizer="adamw", precision="fp32", lr=0.01) for name in ("whole", "hit"))
+    flags = ["--batch-size", "1", "--epochs", "1", "--checkpoint-every", "100"]
+    assert _dp(whole, tmp_path / "d.npz", *flags, timeout=300).returncode == 0
+    p = subprocess.Popen(GRAPHMP + ["train", hit, "--data", str(tmp_path / "d.npz"), "--nproc", "2",
+                                    "--max-restarts", "1", *flags],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        ck = os.path.join(hit, "checkpoint.json")
+        deadline = time.time() + 120
+        while not os.path.exists(ck) and time.time() < deadline:
+            time.sleep(0.05)
+        kids = subprocess.run(["pgrep", "-f", f"graphmp.cli train {hit}"], capture_output=True, text=True).stdout.split()
+        ranks = [int(k) for k in kids if int(k) != p.pid]
+        assert ranks, "no rank processes found"
+        os.kill(ranks[-1], signal.SIGKILL)
+        out, err = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, err[-2000:]
+    # the restarted job resumed from a checkpoint: it ran fewer than the epoch's 1500 steps
+    steps = int(re.search(r"(\d+) data-parallel steps", out).group(1))
+    assert steps < 1500 and steps % 100 == 0, out
+    a, b = latest_state(whole)[0], latest_state(hit)[0]
+    meta = json.loads(open(os.path.join(whole, "train.json")).read())
+    for w in meta["weights"]:
+        np.testing.assert_array_equal(b[w], a[w], err_msg=w)

@@ -8,7 +8,6 @@ import onnxruntime as ort
 import pytest
 
 from fixtures import tiny
-from graphmp.errors import GraphmpError
 from graphmp.train import build_step
 from graphmp.train.split import split_step
 
@@ -88,10 +87,32 @@ def test_a_step_built_without_exposed_gradients_splits_too(tmp_path):
     _fused_vs_split(step, meta, dict(np.load(tmp_path / "r1" / "state.npz")), _batches(tiny.blobs(16), 8))
 
 
-def test_a_step_with_accumulation_is_refused(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_a_window_fed_at_once_is_the_fused_steps_window(tmp_path, precision):
+    """--accumulate 3: the fused step updates after its 3rd run; the split halves, fed the
+    window's gradient sum once (graphmp.train.dp_step, a world of one), give the same
+    weights and BN statistics after each window."""
+    from graphmp.train.dp_step import Halves, dp_step
     p = tmp_path / "m.onnx"
-    onnx.save(tiny.mlp(), p)
-    build_step(str(p), str(tmp_path / "r2"), loss="cross-entropy", expose_grads=True, grad_accum=2)
-    meta = json.loads((tmp_path / "r2" / "train.json").read_text())
-    with pytest.raises(GraphmpError, match="accumulation"):
-        split_step(onnx.load(tmp_path / "r2" / "step.onnx"), meta)
+    onnx.save(tiny.cnn(), p)
+    build_step(str(p), str(tmp_path / "r"), loss="cross-entropy", optimizer="adamw", lr=0.05, grad_accum=3,
+               precision=precision, init_scale=1024.0)
+    meta = json.loads((tmp_path / "r" / "train.json").read_text())
+    state = dict(np.load(tmp_path / "r" / "state.npz"))
+    step = _session(onnx.load(tmp_path / "r" / "step.onnx"))
+    halves = Halves(str(tmp_path / "r"), meta, 1, ["CPUExecutionProvider"])
+    fused, split = dict(state), dict(state)
+    times = {"compute": 0.0, "all_reduce": 0.0, "update": 0.0}
+    batches = _batches(tiny.bars(48), 4)
+    outs = [o.name for o in step.get_outputs()]
+    for w in range(0, 12, 3):
+        for b in batches[w:w + 3]:
+            f = dict(zip(outs, step.run(None, {**b, **fused})))
+            fused.update({s["input"]: f[s["output"]] for s in meta["state"]})
+        _, applied = dp_step(halves, lambda flat: flat, 1, batches[w:w + 3], split, times)
+        assert applied == bool(f["all_finite"])
+        for k in meta["weights"] + meta["bn_stats"]:
+            np.testing.assert_allclose(split[k], fused[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    w0 = meta["weights"][0]
+    assert not np.allclose(split[w0], state[w0])     # it trained
+    assert int(split["optimizer_step"]) == int(fused["optimizer_step"]) == 4  # four updates, not twelve

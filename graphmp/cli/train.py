@@ -171,6 +171,15 @@ def add_train(sub):
                         "all-reduce, update)")
     t.add_argument("--dist-timeout", type=float, default=60.0, metavar="S",
                    help="data parallelism: a rank waits this long for the others before the job fails (60)")
+    t.add_argument("--dist-backend", choices=["auto", "gloo", "nccl"], default="auto",
+                   help="data parallelism: the all-reduce's torch.distributed backend; auto (default): nccl when "
+                   "the ranks run on CUDA and torch has CUDA, else gloo")
+    t.add_argument("--sync-bn", action="store_true",
+                   help="data parallelism: average the BatchNorm running statistics over the ranks every step "
+                   "(default: each rank keeps its own; rank 0's are saved)")
+    t.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="with --nproc: restart the job up to K times after a rank fails; each restart resumes "
+                   "from the last checkpoint (torchrun's --max-restarts)")
     add_quiet(t, "no progress line")
 
 
@@ -260,21 +269,23 @@ def run_train_parallel(args) -> int:
     """--nproc N here: start N ranks running this command; under torchrun: this rank's part."""
     import shlex
     from ..errors import GraphmpError
-    from ..train.distributed import launch, train_ranks, under_torchrun
+    from ..train.distributed import DistOptions, launch, train_ranks, under_torchrun
     if not under_torchrun():
         if args.nproc is None or args.nproc < 1:
             raise GraphmpError(f"--nproc must be at least 1, not {args.nproc}")
-        return launch(_without_nproc(shlex.split(args.command_line)[1:]), args.nproc)
-    if args.eval:
-        raise GraphmpError("--eval is not run during data-parallel training; evaluate the run afterwards with "
-                           "`graphmp export` and your evaluation, or train without --nproc")
-    summary = train_ranks(args.run_dir, args.data, train_config(args), args.dist_timeout)
+        if args.max_restarts < 0:
+            raise GraphmpError(f"--max-restarts must be at least 0, not {args.max_restarts}")
+        return launch(_without_nproc(shlex.split(args.command_line)[1:]), args.nproc, args.max_restarts)
+    opts = DistOptions(timeout_s=args.dist_timeout, backend=args.dist_backend, sync_bn=args.sync_bn,
+                       eval_data=args.eval)
+    summary = train_ranks(args.run_dir, args.data, train_config(args), opts)
     if summary is not None and args.summary_json:
         from .outputs import write_json
         write_json(args.summary_json, summary)
     if summary is not None and not args.quiet:
+        window = f", {summary['updates']} updates of {summary['accumulate']}" if summary["accumulate"] > 1 else ""
         print(f"{args.run_dir}: {summary['steps']} data-parallel steps on {summary['world_size']} ranks (global batch "
-              f"{summary['global_batch']}), {summary['skipped']} skipped; last loss {summary['last_loss']:.6g}; "
+              f"{summary['global_batch']}{window}), {summary['skipped']} skipped; last loss {summary['last_loss']:.6g}; "
               f"{summary['seconds']:.1f} s")
     return 0
 

@@ -24,6 +24,8 @@ checked once when loaded, an iterable of batches batch by batch as it is assembl
 """
 from __future__ import annotations
 
+import copy
+
 import os
 import re
 
@@ -165,6 +167,7 @@ def _expected(meta) -> dict:
 
 
 STATIC_WHOLE = "the model's inputs all have a fixed first axis, and the data stacks whole inputs, one per sample"
+STATIC_ONCE = "the model's inputs all have a fixed first axis, and the data gives this one once, at its exact shape"
 
 
 def _fits(dims, shape) -> bool:
@@ -179,8 +182,10 @@ def whole_arrays(meta, arrays: dict | None = None) -> dict:
     every input's first axis is fixed, the data's rank decides (`arrays`, when given): an
     array with one axis more than the input, the rest of its shape the input's, stacks
     whole inputs one per sample (a streaming model's caches [2, 1, 16, 16, 33] beside its
-    frame [1, 257, 1, 2]); else the first axis is the (fixed) batch axis, as for a batch-1
-    export. (Labels are whole when the data says so: see _label_form.)"""
+    frame [1, 257, 1, 2]), and beside such stacked inputs an array of exactly its input's
+    shape is given once and fed with every step (a zero initial cache); else the first axis
+    is the (fixed) batch axis, as for a batch-1 export. (Labels are whole when the data says
+    so: see _label_form.)"""
     inputs = meta["inputs"]
     free = next((n for n, d in inputs.items() if d and not isinstance(d[0], int)), None)
     out = {}
@@ -192,6 +197,10 @@ def whole_arrays(meta, arrays: dict | None = None) -> dict:
         elif not free and dims and arrays is not None and name in arrays \
                 and np.ndim(arrays[name]) == len(dims) + 1 and _fits(dims, np.shape(arrays[name])[1:]):
             out[name] = STATIC_WHOLE
+    if STATIC_WHOLE in out.values():
+        for name, dims in inputs.items():
+            if name not in out and dims and name in arrays and _fits(dims, np.shape(arrays[name])):
+                out[name] = STATIC_ONCE
     return out
 
 
@@ -209,7 +218,8 @@ def _label_form(a, dims) -> str | None:
 def _check_shape(name, a, dims, where, batched):
     layouts = "" if batched or not dims or not isinstance(dims[0], int) else (
         f"; accepted: [samples, {', '.join(map(str, dims[1:]))}] (axis 0 is the model's batch of {dims[0]}), or "
-        f"[samples, {', '.join(map(str, dims))}] for every input (one whole input per sample, batch size 1)")
+        f"[samples, {', '.join(map(str, dims))}] for every input (one whole input per sample, batch size 1; "
+        f"an input's exact shape {list(dims)} is then also accepted, given once beside stacked inputs)")
     if dims is not None and a.ndim != len(dims):
         raise GraphmpError(f"{where}: '{name}' has shape {a.shape}, the model wants {len(dims)} axes {dims} "
                            f"(first axis = {'batch' if batched else 'samples'}){layouts}.")
@@ -317,6 +327,13 @@ class Dataset:
         order = np.random.default_rng(seed + epoch).permutation(self.n)
         for i in range(start, self.num_batches(batch_size, drop_last)):
             yield self.take(order[i * batch_size:(i + 1) * batch_size])
+
+    def shard(self, rank: int, n: int) -> "Dataset":
+        """Samples rank, rank + n, ... (a data-parallel rank's part of an eval set)."""
+        part = copy.copy(self)
+        part.arrays = {k: v[rank::n] for k, v in self.arrays.items()}
+        part.n = len(range(rank, self.n, n))
+        return part
 
     def sequential(self, batch_size):
         size = 1 if self.one_per_step else batch_size

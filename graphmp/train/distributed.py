@@ -4,40 +4,54 @@
 --data D.npz` works as any torchrun job (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR from the
 environment).
 
-Each step, on every rank:
-  1. the gradient graph (graphmp.train.split) runs on this rank's shard of the step's
-     global batch: the epoch's permutation (numpy default_rng(seed + epoch), as the single
-     process uses), global batch N x --batch-size, rank r taking positions r, r+N, ... of
-     it (DistributedSampler's interleave), so N ranks x batch b see exactly the samples of
-     1 rank x batch N*b, step by step;
-  2. one all-reduce (gloo on the CPU, NCCL with CUDA) sums the loss and every FP32 gradient
-     in one flat bucket, divided by N: the mean over the global batch, as the loss's mean
-     reduction defines it. Gradients are reduced in FP32: FP16 would halve the bytes but
-     round every rank's contribution and overflow where the sum exceeds 65504;
-  3. the update graph runs on the reduced gradients: every rank computes the same finite
-     flag from the same numbers, so all skip the same steps and keep the same loss scale.
-BatchNorm statistics stay per rank (each rank's own batch statistics; rank 0's are saved).
-Rank 0 writes the checkpoint (atomically, as the single process does) every
---checkpoint-every steps and at the end; a resume (after a kill, or torchrun's
---max-restarts) reads it on every rank and continues the same data order, so it ends with
-the weights of an uninterrupted run; it needs the same world size and per-rank batch size.
-A rank that dies ends the job (torchrun stops the others); a rank that hangs makes the
-others' all-reduce fail after --dist-timeout seconds. Gradient accumulation and eval
-during training are the single process's (train without --nproc).
+This module runs the ranks: the process group, each rank's device, the data order, eval and
+checkpoints. graphmp/train/dp_step.py is one step (gradients, one all-reduce, the update).
+
+- Data order: the epoch's permutation (numpy default_rng(seed + epoch), as the single
+  process uses), global batch N x --batch-size, rank r taking positions r, r+N, ... of it
+  (DistributedSampler's interleave), so N ranks x batch b see exactly the samples of one
+  process with batch N*b, step by step; the last partial global batch of an epoch is
+  dropped (drop_last), and with --grad-accum K a last window of fewer than K batches too.
+- Devices: on CUDA (onnxruntime-gpu, --device auto|cuda) each rank's sessions run on GPU
+  LOCAL_RANK and the all-reduce is NCCL's when torch has CUDA (the bucket goes to that GPU
+  and back: ONNX Runtime's outputs are host arrays here); on the CPU gloo, and each rank
+  gets cores / N threads.
+- BatchNorm statistics: per rank by default (each rank's own batch statistics; rank 0's
+  are saved); sync_bn averages the running statistics over the ranks after every step (in
+  the same all-reduce; as timm's distribute_bn). The forward still normalises with each
+  rank's own batch: an ONNX graph has no collective to share batch statistics mid-forward.
+- Eval (--eval): after every epoch, each rank evaluates positions r, r+N, ... of the eval
+  set and the sums are all-reduced: the loss and accuracy of the whole set.
+- Checkpoints: rank 0 writes (atomically, as the single process does) every
+  --checkpoint-every runs and at the end; a resume (after a kill, or torchrun's
+  --max-restarts) reads it on every rank and continues the same data order, so it ends with
+  the weights of an uninterrupted run; it needs the same world size and per-rank batch.
+- Faults: a rank that dies ends the job (torchrun stops the others); a rank that hangs makes
+  the others' all-reduce fail after --dist-timeout seconds.
 """
 from __future__ import annotations
 
 import datetime
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
-import onnx
 
-from ..errors import GraphmpError
+from ..errors import GraphmpError, first_line
 
 DEFAULT_TIMEOUT_S = 60.0
 EXTRA = "pip install 'graphmp[dist]'"
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class DistOptions:
+    """What data parallelism adds to TrainConfig (the flags --dist-*, --sync-bn, --eval)."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    backend: str = "auto"       # "auto": NCCL when the sessions run on CUDA and torch has CUDA, else gloo
+    sync_bn: bool = False
+    eval_data: object = None
 
 
 def world() -> tuple[int, int, int]:
@@ -60,14 +74,19 @@ def _torch():
     return torch, dist
 
 
-def launch(argv: list, nproc: int) -> int:
+def launch(argv: list, nproc: int, max_restarts: int = 0) -> int:
     """Run `graphmp <argv>` (a train command without --nproc) on `nproc` local ranks through
-    torch.distributed.run, the launcher behind torchrun; the exit code of the job."""
+    torch.distributed.run, the launcher behind torchrun; the exit code of the job. With
+    max_restarts, torchrun restarts the failed job that many times (each resumes from the
+    last checkpoint)."""
     _torch()
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    args = torchrun.parse_args(["--nproc-per-node", str(nproc), "--max-restarts", "0", "--monitor-interval", "0.2",
-                                "--module", "graphmp.cli", *argv])
+    # --standalone: the c10d rendezvous on a free local port. Its rounds give every restart a
+    # fresh store; the static rendezvous keeps one store across restarts, and a restarted rank
+    # can then read a dead rank's address from the first attempt (gloo: connection refused)
+    args = torchrun.parse_args(["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+                                "--monitor-interval", "0.2", "--module", "graphmp.cli", *argv])
     try:
         torchrun.run(args)
     except ChildFailedError as e:
@@ -75,6 +94,16 @@ def launch(argv: list, nproc: int) -> int:
         code = getattr(first, "exitcode", 1) if first is not None else 1
         return code if isinstance(code, int) and code > 0 else 1
     return 0
+
+
+def _attempt_store(dist, rank: int, n: int, timeout):
+    """The rendezvous store of this attempt of the job. torchrun's agent keeps one store
+    across --max-restarts; without a per-attempt prefix a restarted rank can read the
+    address a dead rank of the previous attempt published (gloo: connection refused)."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # torchrun's agent hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n,
+                          is_master=not agent and rank == 0, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(f"graphmp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 class _Shards:
@@ -91,53 +120,111 @@ class _Shards:
         return self.src.take(g[self.rank::self.n])
 
 
-class _Halves:
-    """The two ONNX Runtime sessions of the split step, and how their tensors are named."""
-
-    def __init__(self, run_dir: str, meta: dict, threads: int):
-        import onnxruntime as ort
-        from .runfiles import run_file
-        from .split import split_step
-        step = onnx.load(run_file(run_dir, meta, "step_model"))
-        grad_m, upd_m, self.handed = split_step(step, meta)
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.log_severity_level = 3
-        self.grad = ort.InferenceSession(grad_m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        self.upd = ort.InferenceSession(upd_m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        self.grad_in = [i.name for i in self.grad.get_inputs()]
-        self.upd_in = [i.name for i in self.upd.get_inputs()]
-        self.upd_out = [o.name for o in self.upd.get_outputs()]
-        self.reduced = [t for t in self.handed if t.endswith("__grad") or t == meta["loss_output"]]
-        self.state = [(s["input"], s["output"]) for s in meta["state"]]
+def _devices(torch, c, opts: DistOptions, local_rank: int) -> tuple[list, str, str | None]:
+    """(ONNX Runtime providers of this rank, process-group backend, a note or None)."""
+    from ..session import CPU, CUDA
+    from .device import providers_for
+    if opts.backend not in BACKENDS:
+        raise GraphmpError(f"--dist-backend must be one of {list(BACKENDS)}, not '{opts.backend}'")
+    providers, note = (list(c.providers), None) if c.providers else providers_for(c.device or "auto")
+    on_cuda = CUDA in providers
+    if on_cuda:
+        providers = [(CUDA, {"device_id": local_rank}), CPU]
+    backend = opts.backend
+    if backend == "auto":
+        backend = "nccl" if on_cuda and torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise GraphmpError("--dist-backend nccl needs a CUDA build of torch with a GPU (torch.cuda.is_available() is "
+                           "False here); use --dist-backend gloo")
+    return providers, backend, note
 
 
-def _step(h: _Halves, dist, torch, n: int, batch: dict, state: dict, times: dict) -> tuple[float, bool]:
-    """One data-parallel step: gradients here, one all-reduce, the update; state in place;
-    seconds added to times["compute"], ["all_reduce"], ["update"]."""
-    t0 = time.perf_counter()
-    feeds = {**batch, **state}
-    got = dict(zip(h.handed, h.grad.run(h.handed, {k: feeds[k] for k in h.grad_in})))
-    flat = np.concatenate([np.asarray(got[t], np.float32).ravel() for t in h.reduced])
-    t1 = time.perf_counter()
-    bucket = torch.from_numpy(flat)
-    dist.all_reduce(bucket)  # sum over ranks, in place (numpy shares the memory)
-    flat /= n
-    t2 = time.perf_counter()
-    pos = 0
-    for t in h.reduced:
-        size = int(np.asarray(got[t]).size)
-        got[t] = flat[pos:pos + size].reshape(np.shape(got[t]))
-        pos += size
-    merged = {**state, **got}
-    out = dict(zip(h.upd_out, h.upd.run(h.upd_out, {k: merged[k] for k in h.upd_in})))
-    for i, o in h.state:
-        state[i] = out[o]
-    t3 = time.perf_counter()
-    times["compute"] += t1 - t0
-    times["all_reduce"] += t2 - t1
-    times["update"] += t3 - t2
-    return float(got[h.reduced[0]]) if h.reduced[0] in got else float("nan"), bool(out.get("all_finite", True))
+def _reducer(dist, torch, backend: str, local_rank: int):
+    """reduce(flat FP32 numpy array) -> its sum over the ranks."""
+    def on_host(flat):
+        dist.all_reduce(torch.from_numpy(flat))  # in place: the tensor shares the array's memory
+        return flat
+
+    def on_gpu(flat):
+        t = torch.from_numpy(flat).to(f"cuda:{local_rank}")
+        dist.all_reduce(t)
+        return t.cpu().numpy()
+
+    def reduce(flat):
+        try:
+            return (on_gpu if backend == "nccl" else on_host)(flat)
+        except RuntimeError as e:  # torch's DistBackendError is one: a peer closed its connection or timed out
+            raise GraphmpError(f"the all-reduce failed ({first_line(e)[:200]}): another rank stopped or hung (its "
+                               "own error, if it had one, is above); rerun the command to resume from the last "
+                               "checkpoint") from None
+    return reduce
+
+
+@dataclass
+class _Rank:
+    """One rank's view of the job: who it is, its data, its sessions and its reduce."""
+    run_dir: str
+    meta: dict
+    rank: int
+    n: int
+    shards: _Shards
+    halves: object            # dp_step.Halves
+    reduce: object
+    evaluator: object = None  # (Evaluator, this rank's eval shard, eval batch) or None
+
+
+def _setup(run_dir, data, c, opts: DistOptions, torch, dist, devices) -> tuple[_Rank, dict, dict]:
+    """This rank's job and the state and position to start from; every data and run error is
+    raised before the first step, prefixed with the rank."""
+    from .data import DataCheck, Dataset, label_rule, make_source
+    from .dp_step import Halves
+    from .loop import load_run
+    rank, n, local = world()
+    meta = load_run(run_dir)
+    check = DataCheck(label_rule(run_dir, meta), c.skip_bad_samples)
+    src = make_source(data, meta, check=check)
+    if not isinstance(src, Dataset):
+        raise GraphmpError("data-parallel training reads an .npz (--data FILE)")
+    shards = _Shards(src, rank, n, c.batch_size, c.seed)
+    if shards.steps_per_epoch == 0:
+        raise GraphmpError(f"{getattr(src, 'where', 'data')}: {src.n} samples, fewer than one global batch of "
+                           f"{n} x {c.batch_size}; lower --batch-size")
+    providers, backend, note = devices
+    halves = Halves(run_dir, meta, max(1, (os.cpu_count() or 1) // n), providers)
+    job = _Rank(run_dir, meta, rank, n, shards, halves, _reducer(dist, torch, backend, local))
+    if opts.eval_data is not None:
+        job.evaluator = _eval_setup(run_dir, meta, opts.eval_data, check, providers, c)
+    state, pos = _start(run_dir, meta, rank, n, c)
+    info = {"backend": backend, "providers": [p if isinstance(p, str) else p[0] for p in providers], "note": note}
+    return job, state, dict(pos, info=info)
+
+
+def _eval_setup(run_dir, meta, eval_data, check, providers, c):
+    """(the Evaluator, this rank's shard of the eval set, the eval batch size)."""
+    from .data import make_source
+    from .evaluator import Evaluator
+    from .loop import eval_batch_size, first_eval_batch
+    from .runfiles import run_file
+    from ..model_io import load_npz
+    src = make_source(eval_data, meta, "eval data", check)
+    rank, n, _ = world()
+    batch = eval_batch_size(meta, src, max(c.batch_size, 256))
+    first = first_eval_batch(src, batch)  # calibrates a mixed eval graph: the same on every rank
+    state = load_npz(run_file(run_dir, meta, "initial_state"))
+    return Evaluator(run_dir, meta, state, providers, first, c.device), src.shard(rank, n), batch
+
+
+def _evaluate(job: _Rank, state: dict) -> dict:
+    """Eval of the state on the whole eval set: each rank its shard, the sums all-reduced."""
+    ev, shard, batch = job.evaluator
+    r = ev.run(state, shard, batch) if shard.n else {"loss": 0.0, "accuracy": 0.0, "counted": 0, "samples": 0}
+    sums = np.array([r["loss"] * r["counted"], r.get("accuracy", 0.0) * r["counted"], r["counted"], r["samples"]],
+                    np.float64)
+    sums = job.reduce(sums.astype(np.float32)).astype(np.float64)
+    out = {"loss": float(sums[0] / max(sums[2], 1)), "samples": int(round(sums[3])), "precision": ev.precision}
+    if job.meta["config"]["loss"] == "cross-entropy":
+        out["accuracy"] = float(sums[1] / max(sums[2], 1))
+    return out
 
 
 def _start(run_dir: str, meta: dict, rank: int, n: int, c) -> tuple[dict, dict]:
@@ -158,58 +245,104 @@ def _start(run_dir: str, meta: dict, rank: int, n: int, c) -> tuple[dict, dict]:
     return state, pos
 
 
-def train_ranks(run_dir, data, c, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict | None:
+def train_ranks(run_dir, data, c, opts: DistOptions = DistOptions()) -> dict | None:
     """This process's part of a data-parallel run (torchrun's environment). Returns rank 0's
     summary dict (None on the other ranks)."""
     torch, dist = _torch()
-    from .data import DataCheck, Dataset, label_rule, make_source
-    from .loop import save_checkpoint, load_run
     rank, n, _ = world()
     run_dir = os.fspath(run_dir)
-    dist.init_process_group("gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        devices = _devices(torch, c, opts, world()[2])
+    except GraphmpError as e:
+        raise GraphmpError(f"rank {rank}: {e}") from None
+    if devices[1] == "nccl":
+        torch.cuda.set_device(world()[2])
+    timeout = datetime.timedelta(seconds=opts.timeout_s)
+    dist.init_process_group(devices[1], store=_attempt_store(dist, rank, n, timeout), rank=rank, world_size=n,
+                            timeout=timeout)
     try:
         try:
-            meta = load_run(run_dir)
-            src = make_source(data, meta, check=DataCheck(label_rule(run_dir, meta), c.skip_bad_samples))
-            if not isinstance(src, Dataset):
-                raise GraphmpError("data-parallel training reads an .npz (--data FILE)")
-            shards = _Shards(src, rank, n, c.batch_size, c.seed)
-            if shards.steps_per_epoch == 0:
-                raise GraphmpError(f"{getattr(src, 'where', 'data')}: {src.n} samples, fewer than one global batch of "
-                                   f"{n} x {c.batch_size}; lower --batch-size")
-            halves = _Halves(run_dir, meta, max(1, (os.cpu_count() or 1) // n))
-            state, pos = _start(run_dir, meta, rank, n, c)
+            job, state, pos = _setup(run_dir, data, c, opts, torch, dist, devices)
         except GraphmpError as e:
             raise GraphmpError(f"rank {rank}: {e}") from None
-        return _run_epochs(run_dir, c, dist, torch, n, rank, shards, halves, state, pos, save_checkpoint)
+        try:
+            return _Loop(job, c, opts, state, pos).run()
+        except GraphmpError as e:
+            raise GraphmpError(f"rank {rank}: {e}") from None
     finally:
         dist.destroy_process_group()
 
 
-def _run_epochs(run_dir, c, dist, torch, n, rank, shards, halves, state, pos, save) -> dict | None:
-    losses, skipped, t0 = [], 0, time.perf_counter()
-    times = {"compute": 0.0, "all_reduce": 0.0, "update": 0.0}
-    step, epoch, i = pos["step"], pos["epoch"], pos["position"]
-    total = c.epochs * shards.steps_per_epoch
-    setup = {"batch_size": c.batch_size, "seed": c.seed, "drop_last": True, "samples": shards.src.n, "world_size": n}
+class _Loop:
+    """The epochs of one rank: windows of --grad-accum micro-batches (one per run of the
+    single process: `step` counts them, as its checkpoints do), eval after every epoch,
+    checkpoints by rank 0."""
 
-    def checkpoint():  # rank 0 writes; the weights are the same on every rank (BN statistics: rank 0's)
-        if rank == 0:
-            save(run_dir, state, {"step": step, "epoch": epoch, "position": i, "skipped": skipped, "setup": setup},
-                 losses)
-    while epoch < c.epochs and step < total and (c.max_steps is None or step < c.max_steps):
-        loss, finite = _step(halves, dist, torch, n, shards.batch(epoch, i), state, times)
-        losses.append(loss)
-        skipped += not finite
-        step, i = step + 1, i + 1
-        if i == shards.steps_per_epoch:
-            epoch, i = epoch + 1, 0
-        if c.checkpoint_every and step % c.checkpoint_every == 0:
-            checkpoint()
-    dist.barrier()
-    if rank != 0:
-        return None
-    checkpoint()
-    return {"steps": len(losses), "skipped": skipped, "world_size": n, "global_batch": n * c.batch_size,
-            "last_loss": losses[-1] if losses else None, "seconds": time.perf_counter() - t0,
-            "seconds_per_step": {k: v / max(1, len(losses)) for k, v in times.items()}}
+    def __init__(self, job: _Rank, c, opts: DistOptions, state: dict, pos: dict):
+        self.job, self.c, self.opts, self.state = job, c, opts, state
+        self.step, self.epoch, self.i = pos["step"], pos["epoch"], pos["position"]
+        self.info = pos["info"]
+        self.losses, self.skipped, self.evals = [], 0, []
+        self.times = {"compute": 0.0, "all_reduce": 0.0, "update": 0.0}
+        self.setup = {"batch_size": c.batch_size, "seed": c.seed, "drop_last": True,
+                      "samples": job.shards.src.n, "world_size": job.n}
+
+    def _window(self) -> list | None:
+        """The next window's micro-batches of this rank (None: not a whole window left)."""
+        c, spe, k = self.c, self.job.shards.steps_per_epoch, self.job.halves.window
+        limit = c.epochs * spe if c.max_steps is None else min(c.epochs * spe, c.max_steps)
+        if self.step + k > limit:
+            return None
+        batches = []
+        for _ in range(k):
+            batches.append(self.job.shards.batch(self.epoch, self.i))
+            self.step, self.i = self.step + 1, self.i + 1
+            if self.i == spe:
+                self.epoch, self.i = self.epoch + 1, 0
+        return batches
+
+    def _checkpoint(self) -> None:
+        """Rank 0 writes; the weights are the same on every rank (BN statistics: rank 0's,
+        or the ranks' mean with sync_bn)."""
+        from .loop import save_checkpoint
+        if self.job.rank == 0:
+            save_checkpoint(self.job.run_dir, self.state,
+                            {"step": self.step, "epoch": self.epoch, "position": self.i, "skipped": self.skipped,
+                             "setup": self.setup}, self.losses)
+
+    def run(self) -> dict | None:
+        from .dp_step import dp_step
+        c, job, t0 = self.c, self.job, time.perf_counter()
+        every = c.checkpoint_every
+        while True:
+            before, epoch = self.step, self.epoch
+            batches = self._window()
+            if batches is None:
+                break
+            loss, applied = dp_step(job.halves, job.reduce, job.n, batches, self.state, self.times, self.opts.sync_bn)
+            self.losses.append(loss)
+            self.skipped += not applied
+            if job.evaluator is not None and self.epoch != epoch:
+                self.evals.append(dict(_evaluate(job, self.state), epoch=self.epoch, step=self.step))
+                if job.rank == 0 and c.progress:
+                    print(_eval_line(self.evals[-1]), flush=True)
+            if every and self.step // every > before // every:
+                self._checkpoint()
+        job.reduce(np.zeros(1, np.float32))  # a barrier on the job's own backend
+        if job.rank != 0:
+            return None
+        self._checkpoint()
+        return self._summary(time.perf_counter() - t0)
+
+    def _summary(self, seconds: float) -> dict:
+        windows = max(1, len(self.losses))
+        return {"steps": len(self.losses) * self.job.halves.window, "updates": len(self.losses),
+                "skipped": self.skipped, "world_size": self.job.n, "global_batch": self.job.n * self.c.batch_size,
+                "accumulate": self.job.halves.window, "last_loss": self.losses[-1] if self.losses else None,
+                "seconds": seconds, "seconds_per_step": {k: v / windows for k, v in self.times.items()},
+                "eval_per_epoch": self.evals, "sync_bn": self.opts.sync_bn, **self.info}
+
+
+def _eval_line(r: dict) -> str:
+    acc = f", accuracy {r['accuracy']:.4f}" if "accuracy" in r else ""
+    return f"epoch {r['epoch']}: eval loss {r['loss']:.6g}{acc} ({r['samples']} samples, all ranks)"

@@ -53,7 +53,10 @@ class Evaluator:
             cal = {n: np.asarray(state[n]) for n in self.trained}
             cal.update({k: v for k, v in (sample_batch or {}).items() if k in meta["inputs"]})
             kw = {"target": "bf16"} if self.precision == "bf16" else {}
-            m = convert(m, calibration=[cal] if sample_batch else "off", keep_io_types=True, **kw).model
+            # the plan the step graph's forward was trained in (train-graph converts without the
+            # measured-islands step, island_trials=0)
+            m = convert(m, calibration=[cal] if sample_batch else "off", keep_io_types=True, island_trials=0,
+                        **kw).model
         try:
             self.sess = ort_session(m, providers)
         except Exception as e:  # noqa: BLE001  (only BF16 may lack kernels; mixed/FP32 errors are real)
@@ -101,7 +104,7 @@ class Evaluator:
             raise GraphmpError("eval data holds no samples")
         if not counted:
             raise GraphmpError(f"eval data: every label is the ignore index {ignore}; nothing to evaluate")
-        res = {"loss": total / counted, "samples": int(n), "precision": self.precision}
+        res = {"loss": total / counted, "samples": int(n), "counted": counted, "precision": self.precision}
         if cfg["loss"] == "cross-entropy":
             res["accuracy"] = correct / counted
         return res

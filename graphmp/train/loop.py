@@ -219,11 +219,11 @@ def evaluate(run_dir, data, batch_size: int = 256, providers=None, state: dict |
     state = state if state is not None else latest_state(run_dir)[0]
     src = make_source(data, meta, "eval data", DataCheck(label_rule(run_dir, meta), skip_bad_samples))
     batch_size = eval_batch_size(meta, src, batch_size)
-    first = _first_batch(src, batch_size)
+    first = first_eval_batch(src, batch_size)
     return Evaluator(run_dir, meta, state, providers, first).run(state, src, batch_size)
 
 
-def _first_batch(src, batch_size: int = 256) -> dict:
+def first_eval_batch(src, batch_size: int = 256) -> dict:
     """The first eval batch (what the mixed eval graph is calibrated on); an eval set with no
     samples is a one-line error naming it."""
     first = next(iter(in_order(src, batch_size)), None)
@@ -246,7 +246,7 @@ def _check_batch_size(run_dir, meta, src, batch_size: int) -> None:
                                                        "the data")
         raise GraphmpError(f"{src.where}: '{name}' is given once per sample, and the model takes it whole with no "
                            f"batch axis ({why}), so each step is one sample: use batch size 1.")
-    fixed = _fixed_batch(meta, given_whole=src.stacked)
+    fixed = _fixed_batch(meta, given_whole=list(src.stacked) + list(src.constants))
     if fixed is not None and fixed != batch_size:
         raise GraphmpError(f"{run_dir}: the model's batch axis is fixed at {fixed}; use batch_size {fixed} "
                            "or re-export the model with a dynamic batch axis.")
@@ -342,7 +342,7 @@ def _open_data(run_dir: str, meta: dict, data, eval_data, c: TrainConfig) -> _Da
     if eval_data is not None:  # checked now, before any step
         eval_src = make_source(eval_data, meta, "eval data", DataCheck(rule, c.skip_bad_samples))
         if isinstance(eval_src, Dataset) and eval_src.n == 0:
-            _first_batch(eval_src)  # the error naming the file
+            first_eval_batch(eval_src)  # the error naming the file
     return _Data(src, eval_src, nb, eval_batch_size(meta, eval_src, max(c.batch_size, 256)), where)
 
 
@@ -425,7 +425,7 @@ def _eval_epoch(r: _Run, d: _Data, c: TrainConfig, epoch: int, bar: Progress) ->
     on the first eval batch); recorded in the history and the run's eval, and said."""
     st = r.runner.state_numpy()
     if r.evaluator is None:
-        first = _first_batch(d.eval_src, d.eval_batch)
+        first = first_eval_batch(d.eval_src, d.eval_batch)
         r.evaluator = Evaluator(r.run_dir, r.meta, st, r.providers, first, c.device)
         if r.evaluator.note:
             r.notes.append(r.evaluator.note)

@@ -14,9 +14,9 @@ gradients <weight>__grad), so they compute exactly what the fused step computes:
                   outputs: the fused step's all_finite and every <state>__next.
 
 Every rank feeding the update graph the same reduced gradients and loss gets the same
-finite flag, so all ranks skip the same steps and keep the same loss scale. Gradient
-accumulation (accumulate, window of several batches) is not split: its state lives between
-the two halves.
+finite flag, so all ranks skip the same steps and keep the same loss scale. With gradient
+accumulation the update graph keeps the fused step's window logic (the window's sums and
+count are state inputs); graphmp.train.dp_step feeds it a whole window at once.
 """
 from __future__ import annotations
 
@@ -73,10 +73,6 @@ def _sub_model(model, nodes: list, inputs: list, outputs: list, infos: dict, nam
 def split_step(model, meta: dict) -> tuple:
     """(gradient model, update model, the tensors the gradient graph hands over) of a fused
     step graph (meta: its train.json dict)."""
-    cfg = meta["config"]
-    if int(cfg.get("grad_accum", 1) or 1) > 1:
-        raise GraphmpError("a step with gradient accumulation (--accumulate) cannot be split for data "
-                           "parallelism: build it without --accumulate and raise the batch or the ranks instead")
     weights = list(meta["weights"])
     grads = [w + GRAD for w in weights]
     produced = {o for n in model.graph.node for o in n.output}
