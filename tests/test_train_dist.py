@@ -231,3 +231,31 @@ def test_max_restarts_resumes_after_a_rank_dies_and_ends_with_the_uninterrupted_
     meta = json.loads(open(os.path.join(whole, "train.json")).read())
     for w in meta["weights"]:
         np.testing.assert_array_equal(b[w], a[w], err_msg=w)
+
+
+def test_nccl_without_cuda_is_one_line_naming_gloo(tmp_path):
+    np.savez(tmp_path / "d.npz", **tiny.blobs(32))
+    run = _run(tmp_path, "run", optimizer="sgd", precision="fp32")
+    res = _dp(run, tmp_path / "d.npz", "--batch-size", "8", "--dist-backend", "nccl")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: nccl is a valid choice here")
+    assert res.returncode == 2
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("graphmp: error:")]
+    assert errors and all("--dist-backend nccl" in ln and "--dist-backend gloo" in ln for ln in errors), errors
+    assert "Traceback" not in res.stderr
+
+
+def test_cuda_ranks_bind_their_local_gpu_and_reduce_with_nccl(monkeypatch):
+    """What a rank asks for on a CUDA machine (the choice only: GPUs are not here): ONNX
+    Runtime's CUDA provider on device LOCAL_RANK, NCCL when torch has CUDA, gloo when not."""
+    from graphmp.session import CPU, CUDA
+    from graphmp.train import distributed, device
+    from graphmp.train.config import TrainConfig
+    monkeypatch.setattr(device, "providers_for", lambda d: ([CUDA, CPU], None))
+    c = TrainConfig.from_kwargs(device="auto")
+    for has_cuda, backend in ((True, "nccl"), (False, "gloo")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: has_cuda)
+        providers, got, _ = distributed._devices(torch, c, distributed.DistOptions(), local_rank=3)
+        assert providers == [(CUDA, {"device_id": 3}), CPU] and got == backend
+    monkeypatch.setattr(device, "providers_for", lambda d: ([CPU], None))
+    assert distributed._devices(torch, c, distributed.DistOptions(), local_rank=3)[:2] == ([CPU], "gloo")

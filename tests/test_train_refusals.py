@@ -105,3 +105,30 @@ def test_weights_small_beside_the_adamw_lr_get_a_warning_naming_the_lr(tmp_path,
     assert main(base + ["--lr", f"{1e-3 * rms:.0e}"]) == 0
     out = capsys.readouterr()
     assert "small beside lr" not in out.out + out.err
+
+
+def test_a_vit_style_cubic_resize_of_position_embeddings_builds_and_steps(tmp_path, capsys):
+    """The report's ViT: learned position embeddings [1, 3, 4, 4] interpolated (cubic, as
+    timm's resample_abs_pos_embed) to the input's 8x8 grid and added to it. The step graph
+    train-graph writes must step in ONNX Runtime (train-graph proves it), in FP32 and mixed,
+    and the embeddings get trained."""
+    import json
+    from graphmp.train.loop import latest_state
+    sc = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "sc")
+    pos = numpy_helper.from_array(np.random.default_rng(1).standard_normal((1, 3, 4, 4)).astype(np.float32), "pos")
+    p = _save(tmp_path / "vit.onnx", [N("Resize", ["pos", "", "sc"], ["pe"], mode="cubic", name="resize_pos",
+                                        coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75),
+                                      N("Add", ["x", "pe"], ["t"]), N("Conv", ["t", "w"], ["y"])],
+              [helper.make_tensor_value_info("x", F, ["n", 3, 8, 8])], ["n", 3, 8, 8], [_conv_weight(), sc, pos])
+    r = np.random.default_rng(0)
+    x = r.standard_normal((8, 3, 8, 8)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x, labels=r.standard_normal((8, 3, 8, 8)).astype(np.float32))
+    for precision in ("fp32", "mixed"):
+        run = tmp_path / precision
+        assert main(["train-graph", p, "-o", str(run), "--loss", "mse", "--precision", precision, "-q"]) == 0
+        assert "pos" in json.loads((run / "train.json").read_text())["weights"]
+        assert main(["train", str(run), "--data", str(tmp_path / "d.npz"), "--batch-size", "2", "--epochs", "2",
+                     "-q"]) == 0
+        before, after = np.load(run / "state.npz")["pos"], latest_state(str(run))[0]["pos"]
+        assert not np.allclose(before, after)
+    assert "Traceback" not in capsys.readouterr().err

@@ -283,6 +283,8 @@ def run_train_parallel(args) -> int:
         from .outputs import write_json
         write_json(args.summary_json, summary)
     if summary is not None and not args.quiet:
+        if summary.get("note"):
+            print(f"device: {summary['note']}")
         window = f", {summary['updates']} updates of {summary['accumulate']}" if summary["accumulate"] > 1 else ""
         print(f"{args.run_dir}: {summary['steps']} data-parallel steps on {summary['world_size']} ranks (global batch "
               f"{summary['global_batch']}{window}), {summary['skipped']} skipped; last loss {summary['last_loss']:.6g}; "

@@ -191,12 +191,23 @@ def _setup(run_dir, data, c, opts: DistOptions, torch, dist, devices) -> tuple[_
                            f"{n} x {c.batch_size}; lower --batch-size")
     providers, backend, note = devices
     halves = Halves(run_dir, meta, max(1, (os.cpu_count() or 1) // n), providers)
+    note = _check_sessions(halves, providers, c.device) or note
     job = _Rank(run_dir, meta, rank, n, shards, halves, _reducer(dist, torch, backend, local))
     if opts.eval_data is not None:
         job.evaluator = _eval_setup(run_dir, meta, opts.eval_data, check, providers, c)
     state, pos = _start(run_dir, meta, rank, n, c)
     info = {"backend": backend, "providers": [p if isinstance(p, str) else p[0] for p in providers], "note": note}
     return job, state, dict(pos, info=info)
+
+
+def _check_sessions(halves, providers: list, device: str | None) -> str | None:
+    """ONNX Runtime falls back to the CPU quietly when the CUDA provider does not load:
+    --device cuda then fails, auto goes on and says so (graphmp.train.device)."""
+    from .device import check_session
+    names = [p if isinstance(p, str) else p[0] for p in providers]
+    notes = [check_session(sess, names, device, what) for what, sess in
+             (("gradient", halves.grad), ("update", halves.upd))]
+    return next((x for x in notes if x), None)
 
 
 def _eval_setup(run_dir, meta, eval_data, check, providers, c):
