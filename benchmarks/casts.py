@@ -107,7 +107,7 @@ def measure(dst: str, src_model, batches: list, refs: list) -> dict:
     row: dict = {}
     m = onnx.load(dst, load_external_data=False)
     try:
-        ct = cast_traffic(m, batches[0], _count_casts(m) - _count_casts(src_model))
+        ct = cast_traffic(m, batches[0], _count_casts(m) - _count_casts(src_model), measure=True)
         row["cast_traffic"] = {k: ct.get(k) for k in ("casts", "casts_added", "bytes", "boundary_bytes",
                                                       "inside_bytes", "approximate", "unavailable", "inference_error",
                                                       "compute_fp16_share", "compute_approximate", "top")}

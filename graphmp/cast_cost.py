@@ -141,9 +141,12 @@ def compute_flops(n, shapes: dict) -> float | None:
     return None
 
 
-def cast_traffic(model, batch=None, casts_added: int | None = None) -> dict:
+def cast_traffic(model, batch=None, casts_added: int | None = None, measure: bool = False) -> dict:
     """The report's cast_traffic entry for this (converted) model; batch: the first
-    calibration batch ({input name: array}) or None (declared shapes).
+    calibration batch ({input name: array}) or None (declared shapes). measure (with a
+    batch): the sizes inference leaves unknown, of the main graph's Casts, are taken from
+    one ONNX Runtime run on the batch with those Casts' outputs exposed (benchmarks: a
+    converter whose output inference cannot follow is not counted as casting less).
 
     Phases: the input shapes; the inferred skeleton (_infer); the type, shape, producer
     and consumers of every tensor (_Facts); the bytes the Casts move (_cast_entries,
@@ -156,11 +159,39 @@ def cast_traffic(model, batch=None, casts_added: int | None = None) -> dict:
     if not inferred:
         out["inference_error"] = error
     facts = _Facts(skel, concrete)
+    if measure and batch is not None:
+        unknown = [n.output[0] for n in facts.graphs[0].node
+                   if n.op_type == "Cast" and facts.dims_of(n.output[0], 0)[1]]
+        sizes = _run_sizes(model, batch, unknown, facts.types)
+        facts.shapes.update({x: (dims, 0) for x, dims in sizes.items()})
+        out["sizes_measured"] = f"{len(sizes)} of {len(unknown)}"
     casts, approximate, unavailable = _cast_entries(facts)
     out.update(_traffic(casts, approximate, unavailable, inferred))
     out.update(_compute_share(facts, inferred))
     out["seconds"] = round(time.perf_counter() - t0, 4)
     return out
+
+
+def _run_sizes(model, batch: dict, names: list, types: dict) -> dict:
+    """{tensor: dims} of main-graph tensors `names`, from one ONNX Runtime run on `batch`
+    with them exposed as outputs ({} where ONNX Runtime cannot run the model)."""
+    if not names:
+        return {}
+    import onnxruntime as ort
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    declared = {o.name for o in m.graph.output}
+    m.graph.output.extend(onnx.helper.make_tensor_value_info(x, types.get(x, onnx.TensorProto.FLOAT), None)
+                          for x in names if x not in declared)
+    try:
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the Casts stay as they are
+        so.log_severity_level = 3
+        sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        got = sess.run(names, {i.name: batch[i.name] for i in sess.get_inputs() if i.name in batch})
+    except Exception:  # noqa: BLE001 - the figures stay inferred (approximate), as without measure
+        return {}
+    return {x: [int(d) for d in np.shape(v)] for x, v in zip(names, got)}
 
 
 def _infer(model, in_shapes: dict):

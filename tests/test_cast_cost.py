@@ -138,3 +138,22 @@ def test_cli_summary_and_json(tmp_path):
     d = json.loads(report.read_text())
     assert d["cast_traffic"]["bytes"] == 4992 and d["cast_traffic"]["compute_fp16_share"] == 1.0
     assert d["casts_added"] == 4 and "cast_traffic" in d["timings"]
+
+
+def test_measure_takes_the_sizes_inference_cannot_know_from_an_ort_run():
+    """NonZero's count is data: inference leaves it unknown (counted as 1, approximate);
+    measure=True runs the model once and counts the Cast at its real size."""
+    import numpy as np
+    from onnx import TensorProto, helper
+    from graphmp.cast_cost import cast_traffic
+    g = helper.make_graph([helper.make_node("NonZero", ["x"], ["nz"]),
+                           helper.make_node("Cast", ["nz"], ["y"], to=TensorProto.FLOAT16, name="c")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    batch = {"x": np.ones((1, 8), np.float32)}
+    guessed = cast_traffic(m, batch)
+    measured = cast_traffic(m, batch, measure=True)
+    assert guessed["approximate"] and not measured["approximate"]
+    assert measured["bytes"] == 2 * 8 * (8 + 2)     # [2, 8] int64 read, FP16 written
+    assert guessed["bytes"] < measured["bytes"]
