@@ -48,6 +48,8 @@ An input with no batch axis (a scalar, or an RNN's initial state [layers, 1, hid
 a batch-first input) is given whole: one array of exactly its shape, fed with every batch
 (zeros for an initial state), or one per sample stacked on a new first axis (then
 --batch-size 1). Labels for an output with no batch axis are one per sample, likewise.
+A fully static model (every input's first axis fixed, a streaming model's frame and
+caches): every input stacked one per sample, or a cache given once at exactly its shape.
 Checked before the first step (train and --eval data): cross-entropy labels must lie in
 [0, classes) or equal the run's ignore index; NaN/inf in a float array is an error naming
 the array, the count and the first sample (--skip-bad-samples drops those samples instead).
@@ -63,6 +65,7 @@ output and summary say why and what to do; exit 1 when no step of the call was a
 examples:
   graphmp train run/ --data train.npz --epochs 3 --eval eval.npz
   graphmp train run/ --data train.npz --batch-size 64 --checkpoint-every 500 --device cuda
+  graphmp train run/ --data train.npz --nproc 2 --batch-size 32 --eval eval.npz   # 2 ranks, global batch 64
 """
 
 
@@ -163,25 +166,31 @@ def add_train(sub):
                    "when available, else the CPU, and says so. cpu: the CPU")
     t.add_argument("--skip-bad-samples", action="store_true",
                    help="drop samples holding NaN/inf (train and eval data) and say how many, instead of failing")
-    t.add_argument("--nproc", type=int, metavar="N", help="data parallelism: N local ranks through torchrun's "
-                   "launcher (torch.distributed, gloo on the CPU); --batch-size is per rank. Needs "
-                   "pip install 'graphmp[dist]'. Under torchrun (WORLD_SIZE set) the ranks come from it instead")
-    t.add_argument("--dist-summary", dest="summary_json", metavar="JSON",
-                   help="data parallelism: rank 0 writes its summary here (steps, seconds per step: compute, "
-                        "all-reduce, update)")
-    t.add_argument("--dist-timeout", type=float, default=60.0, metavar="S",
-                   help="data parallelism: a rank waits this long for the others before the job fails (60)")
-    t.add_argument("--dist-backend", choices=["auto", "gloo", "nccl"], default="auto",
-                   help="data parallelism: the all-reduce's torch.distributed backend; auto (default): nccl when "
-                   "the ranks run on CUDA and torch has CUDA, else gloo")
-    t.add_argument("--sync-bn", action="store_true",
-                   help="data parallelism: average the BatchNorm running statistics over the ranks every step "
-                   "(default: each rank keeps its own; rank 0's are saved)")
-    t.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                   help="with --nproc: restart the job up to K times after a rank fails; each restart resumes "
-                   "from the last checkpoint (torchrun's --max-restarts)")
+    _add_data_parallel(t)
     add_quiet(t, "no progress line")
 
+
+
+def _add_data_parallel(t):
+    """The flags of data-parallel training (docs/train.md "Train on several GPUs or machines")."""
+    d = t.add_argument_group("data parallelism (pip install 'graphmp[dist]'; docs/train.md)")
+    d.add_argument("--nproc", type=int, metavar="N", help="N local ranks through torchrun's "
+                   "launcher (torch.distributed: gloo on the CPU, NCCL on CUDA); --batch-size is per rank. "
+                   "Under torchrun (WORLD_SIZE set) the ranks come from it instead")
+    d.add_argument("--dist-summary", dest="summary_json", metavar="JSON",
+                   help="rank 0 writes its summary here (steps, seconds per step: compute, "
+                        "all-reduce, update)")
+    d.add_argument("--dist-timeout", type=float, default=60.0, metavar="S",
+                   help="a rank waits this long for the others before the job fails (60)")
+    d.add_argument("--dist-backend", choices=["auto", "gloo", "nccl"], default="auto",
+                   help="the all-reduce's torch.distributed backend; auto (default): nccl when "
+                   "the ranks run on CUDA and torch has CUDA, else gloo")
+    d.add_argument("--sync-bn", action="store_true",
+                   help="average the BatchNorm running statistics over the ranks every step "
+                   "(default: each rank keeps its own; rank 0's are saved)")
+    d.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="with --nproc: restart the job up to K times after a rank fails; each restart resumes "
+                   "from the last checkpoint (torchrun's --max-restarts)")
 
 
 def add_export(sub):
