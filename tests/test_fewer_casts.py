@@ -9,15 +9,13 @@ from onnx import helper as oh
 from onnx import numpy_helper as nph
 
 import graphmp
+from fixtures import tiny
 from graphmp.cast_cost import cast_traffic
 from graphmp.check import check
 
 
 def _model(nodes, inputs, outputs, inits, opset=17):
-    g = oh.make_graph(nodes, "fewer_casts", inputs, outputs, inits)
-    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", opset)], ir_version=8)
-    onnx.checker.check_model(m, full_check=True)
-    return m
+    return tiny.checked_model(nodes, inputs, outputs, inits, "fewer_casts", opset)
 
 
 def _w(seed, shape, scale=0.2):

@@ -5,20 +5,17 @@ group between FP32 work whose Casts cost more than its Tensor Core work joins th
 import re
 
 import numpy as np
-import onnx
 from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx import numpy_helper as nph
 
 import graphmp
+from fixtures import tiny
 from graphmp.check import check
 
 
 def _model(nodes, inputs, outputs, inits, opset=17):
-    g = oh.make_graph(nodes, "islands", inputs, outputs, inits)
-    m = oh.make_model(g, opset_imports=[oh.make_opsetid("", opset)], ir_version=8)
-    onnx.checker.check_model(m, full_check=True)
-    return m
+    return tiny.checked_model(nodes, inputs, outputs, inits, "islands", opset)
 
 
 def _w(seed, shape, scale=0.3):
