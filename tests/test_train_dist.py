@@ -259,3 +259,17 @@ def test_cuda_ranks_bind_their_local_gpu_and_reduce_with_nccl(monkeypatch):
         assert providers == [(CUDA, {"device_id": 3}), CPU] and got == backend
     monkeypatch.setattr(device, "providers_for", lambda d: ([CPU], None))
     assert distributed._devices(torch, c, distributed.DistOptions(), local_rank=3)[:2] == ([CPU], "gloo")
+
+
+def test_data_that_is_a_file_the_run_writes_is_refused_and_kept(tmp_path):
+    """--data naming a checkpoint file the run would write (32 samples, 2 x 8: the run ends
+    at step 2 and rank 0 writes ckpt-000000002.npz): refused before any rank writes, and
+    the user's file is left as it was."""
+    run = _run(tmp_path, "run", optimizer="sgd", precision="fp32")
+    victim = os.path.join(run, "ckpt-000000002.npz")
+    np.savez(victim, **tiny.blobs(32))          # valid training data, in the run's own file name
+    before = open(victim, "rb").read()
+    res = _dp(run, victim, "--batch-size", "8")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert any("graphmp: error: rank" in ln and "a file graphmp writes" in ln for ln in res.stderr.splitlines())
+    assert open(victim, "rb").read() == before

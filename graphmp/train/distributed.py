@@ -178,9 +178,10 @@ def _setup(run_dir, data, c, opts: DistOptions, torch, dist, devices) -> tuple[_
     raised before the first step, prefixed with the rank."""
     from .data import DataCheck, Dataset, label_rule, make_source
     from .dp_step import Halves
-    from .loop import load_run
+    from .loop import load_run, refuse_data_in_run
     rank, n, local = world()
     meta = load_run(run_dir)
+    refuse_data_in_run(run_dir, data, opts.eval_data)  # rank 0 writes checkpoints there
     check = DataCheck(label_rule(run_dir, meta), c.skip_bad_samples)
     src = make_source(data, meta, check=check)
     if not isinstance(src, Dataset):
@@ -196,7 +197,7 @@ def _setup(run_dir, data, c, opts: DistOptions, torch, dist, devices) -> tuple[_
     if opts.eval_data is not None:
         job.evaluator = _eval_setup(run_dir, meta, opts.eval_data, check, providers, c)
     state, pos = _start(run_dir, meta, rank, n, c)
-    info = {"backend": backend, "providers": [p if isinstance(p, str) else p[0] for p in providers], "note": note}
+    info = {"backend": backend, "providers": halves.grad.get_providers(), "note": note}  # what runs, not what was asked
     return job, state, dict(pos, info=info)
 
 

@@ -269,7 +269,7 @@ def eval_batch_size(meta, src, batch_size: int) -> int:
     return fixed if fixed is not None else batch_size
 
 
-def _refuse_data_in_run(run_dir: str, data, eval_data) -> None:
+def refuse_data_in_run(run_dir: str, data, eval_data) -> None:
     """Training and eval data files must not be files the run writes (checkpoints,
     summary.json, loss.png, ...: runfiles.run_paths), compared as files (samefile/realpath)."""
     def path(d):
@@ -497,7 +497,7 @@ def train(run_dir, data, config: TrainConfig | None = None, *, eval_data=None, *
     c = _resolve_config(config, options)
     run_dir = os.fspath(run_dir)
     meta = load_run(run_dir)
-    _refuse_data_in_run(run_dir, data, eval_data)
+    refuse_data_in_run(run_dir, data, eval_data)
     providers, notes = c.providers, []
     if c.device is not None:
         providers, note = providers_for(c.device)
