@@ -53,38 +53,69 @@ class Halves:
                            self.handed[1 + len(self.grads):]))
         self.state = [(s["input"], s["output"]) for s in meta["state"]]
         self.window = int(meta["config"].get("grad_accum", 1) or 1)
+        self.bucket = self.scratch = None  # made at the first step, from the state's shapes
 
 
-def _gradients(h: Halves, batches: list, state: dict) -> dict:
-    """The gradient half over this rank's micro-batches: {loss: the mean, <w>__grad: the sum,
-    BN value after the last micro-batch}; each micro-batch reads the BN statistics the one
-    before it left."""
-    stats = {i: state[i] for i, _ in h.bn}
-    total = None
-    for batch in batches:
-        feeds = {**batch, **state, **stats}
-        got = dict(zip(h.handed, h.grad.run(h.handed, {k: feeds[k] for k in h.grad_in})))
-        stats = {i: got[o] for i, o in h.bn}
-        if total is None:
-            total = {t: np.array(got[t], np.float32) for t in [h.loss] + h.grads}
-        else:
-            for t in total:
-                total[t] += got[t]
-    total[h.loss] = total[h.loss] / len(batches)
-    total.update({o: np.asarray(stats[i], np.float32) for i, o in h.bn})
+class Bucket:
+    """The flat FP32 buffer of one step's all-reduce: the loss, every gradient, then the
+    BatchNorm values, each a view of its slice (shapes from the state: a gradient has its
+    weight's shape). The gradient half writes straight into it (IOBinding onto the slices),
+    so no concatenation copies the gradients before the all-reduce, and the update half
+    reads the reduced views."""
+
+    def __init__(self, h: "Halves", state: dict):
+        shapes = [(h.loss, ())] + [(g, np.shape(state[g[:-len(GRAD)]])) for g in h.grads] \
+            + [(o, np.shape(state[i])) for i, o in h.bn]
+        sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape in shapes]
+        self.flat = np.zeros(sum(sizes), np.float32)
+        self.views, pos = {}, 0
+        for (name, shape), size in zip(shapes, sizes):
+            self.views[name] = self.flat[pos:pos + size].reshape(shape)
+            pos += size
+        self.grads_end = sizes[0] + sum(sizes[1:1 + len(h.grads)])  # loss + gradients: summed over micro-batches
+
+
+def _run_into(h: "Halves", feeds: dict, bucket: Bucket) -> None:
+    """One run of the gradient half writing its outputs into the bucket's views."""
+    io = h.grad.io_binding()
+    for k in h.grad_in:
+        io.bind_cpu_input(k, np.ascontiguousarray(feeds[k]))
+    for name, view in bucket.views.items():
+        io.bind_output(name, "cpu", 0, np.float32, list(view.shape), view.ctypes.data)
+    h.grad.run_with_iobinding(io)
+
+
+def _gradients(h: "Halves", batches: list, state: dict) -> Bucket:
+    """The gradient half over this rank's micro-batches into h's bucket: the loss's mean and
+    the gradients' sum over them, the BN values after the last; each micro-batch reads the
+    BN statistics the one before it left."""
+    if h.bucket is None:
+        h.bucket, h.scratch = Bucket(h, state), (Bucket(h, state) if h.window > 1 else None)
+    total = h.bucket
+    feeds = dict(state)
+    for k, batch in enumerate(batches):
+        feeds.update(batch)
+        _run_into(h, feeds, total if k == 0 else h.scratch)
+        if k:
+            total.flat[:total.grads_end] += h.scratch.flat[:total.grads_end]
+            total.flat[total.grads_end:] = h.scratch.flat[total.grads_end:]
+        last = total if k == 0 else h.scratch
+        feeds.update({i: np.array(last.views[o]) for i, o in h.bn})
+    if len(batches) > 1:
+        total.views[h.loss][...] /= len(batches)
     return total
 
 
-def _all_reduce_mean(reduce, tensors: dict, names: list, n: int) -> None:
-    """Average `names` of `tensors` over the ranks, in one flat FP32 bucket, in place."""
-    flat = np.concatenate([np.asarray(tensors[t], np.float32).ravel() for t in names])
-    flat = reduce(flat) / n
-    pos = 0
-    for t in names:
-        shape = np.shape(tensors[t])
-        size = int(np.prod(shape, dtype=np.int64))
-        tensors[t] = flat[pos:pos + size].reshape(shape)
-        pos += size
+def _all_reduce_mean(reduce, bucket: Bucket, sync_bn: bool, n: int) -> None:
+    """Average the bucket over the ranks in place (with sync_bn the BN values too; else each
+    rank keeps its own). A world of one has nothing to average."""
+    if n == 1:
+        return
+    part = bucket.flat if sync_bn else bucket.flat[:bucket.grads_end]  # a view: reduced in place
+    summed = reduce(part)
+    if summed is not part:  # NCCL's came back from the GPU
+        part[...] = summed
+    np.multiply(part, np.float32(1.0 / n), out=part)
 
 
 def dp_step(h: Halves, reduce, n: int, batches: list, state: dict, times: dict,
@@ -94,11 +125,11 @@ def dp_step(h: Halves, reduce, n: int, batches: list, state: dict, times: dict,
     state updated in place; seconds added to times["compute"], ["all_reduce"], ["update"].
     reduce(flat FP32 array) -> its sum over the ranks."""
     t0 = time.perf_counter()
-    got = _gradients(h, batches, state)
+    bucket = _gradients(h, batches, state)
     t1 = time.perf_counter()
-    _all_reduce_mean(reduce, got, [h.loss] + h.grads + ([o for _, o in h.bn] if sync_bn else []), n)
+    _all_reduce_mean(reduce, bucket, sync_bn, n)
     t2 = time.perf_counter()
-    merged = {**state, **got}
+    merged = {**state, **bucket.views}
     if h.window > 1:  # an empty window that this (K-th) run completes: the update divides the sum by K
         for w in h.grads:
             acc = w[:-len(GRAD)] + ACCUM
@@ -110,4 +141,4 @@ def dp_step(h: Halves, reduce, n: int, batches: list, state: dict, times: dict,
     times["compute"] += t1 - t0
     times["all_reduce"] += t2 - t1
     times["update"] += time.perf_counter() - t2
-    return float(got[h.loss]), bool(out.get("all_finite", True))
+    return float(bucket.views[h.loss]), bool(out.get("all_finite", True))
