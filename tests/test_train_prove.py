@@ -230,14 +230,18 @@ def test_an_output_declared_with_the_wrong_rank_follows_the_graph(tmp_path):
     assert meta["label"]["shape"] == ["n", 3]
 
 
-def test_a_value_passed_through_an_if_is_not_trained_silently(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_a_value_passed_through_an_if_is_not_trained_silently(tmp_path, precision):
     """openwakeword's classifier returns sigmoid(net(x)) through an If (a second model runs when
     it is high). Its gradient used to stop there unnoticed (every gradient exactly 0, the loss
-    flat); now the If, which has no gradient rule, stops the build and names the tensor before it."""
+    flat); now the If, which has no gradient rule, stops the build and names the tensor before it,
+    by its name in the user's model (a mixed build once named a weight's FP16 copy, v_fp16,
+    which the else branch reads)."""
     w = numpy_helper.from_array(np.full((4, 1), 0.1, np.float32), "w")
+    v = numpy_helper.from_array(np.full((2, 1), 0.7, np.float32), "v")
     then_g = helper.make_graph([helper.make_node("Identity", ["p"], ["t_out"])], "then", [],
                                [helper.make_tensor_value_info("t_out", TensorProto.FLOAT, None)])
-    else_g = helper.make_graph([helper.make_node("Neg", ["p"], ["e_out"])], "else", [],
+    else_g = helper.make_graph([helper.make_node("Mul", ["v", "p"], ["e_out"])], "else", [],
                                [helper.make_tensor_value_info("e_out", TensorProto.FLOAT, None)])
     th = numpy_helper.from_array(np.array(0.5, np.float32), "th")
     p = _save(tmp_path, [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Sigmoid", ["h"], ["p"]),
@@ -245,8 +249,8 @@ def test_a_value_passed_through_an_if_is_not_trained_silently(tmp_path):
                          helper.make_node("GreaterOrEqual", ["pm", "th"], ["hi"]),
                          helper.make_node("If", ["hi"], ["y"], name="gate", then_branch=then_g, else_branch=else_g)],
               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
-              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 1])], [w, th], "gated")
+              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 1])], [w, v, th], "gated")
     with pytest.raises(GraphmpError) as e:
-        build_step(p, str(tmp_path / "run"), loss="mse", precision="fp32")
-    assert "node 'gate' (op If)" in str(e.value) and "--model-output p" in str(e.value), str(e.value)
-    build_step(p, str(tmp_path / "run2"), loss="mse", precision="fp32", output="p")   # the fix it names
+        build_step(p, str(tmp_path / "run"), loss="mse", precision=precision)
+    assert "node 'gate' (op If)" in str(e.value) and "--model-output p)" in str(e.value), str(e.value)
+    build_step(p, str(tmp_path / "run2"), loss="mse", precision=precision, output="p")   # the fix it names

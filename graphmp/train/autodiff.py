@@ -112,7 +112,7 @@ def add_backward(model: onnx.ModelProto, loss: str, wrt: Sequence[str], *, seed:
             raise GraphmpError(
                 f"node '{node.name}' (op {node.domain + '.' if node.domain else ''}{node.op_type}) lies "
                 f"between the differentiated tensors and the loss and has no gradient rule. Train through "
-                f"a tensor before it (--model-output {next((i for i in reads.get(tuple(node.output), node.input) if i in active and i not in wrt), '?')}), "
+                f"a tensor before it (--model-output {_tensor_before(graph, node, reads, active, wrt)}), "
                 f"make it non-differentiable (e.g. feed it a constant) or add a rule in graphmp/train/rules/. "
                 f"Supported ops: {', '.join(sorted(RULES))}.")
         if rule.outputs is not None:
@@ -140,6 +140,21 @@ def add_backward(model: onnx.ModelProto, loss: str, wrt: Sequence[str], *, seed:
 
 
 # --- training-mode forward -------------------------------------------------------------
+
+def _tensor_before(graph, node, reads: dict, active: set, wrt) -> str:
+    """A differentiable tensor the node reads, by its name in the user's model: a mixed
+    build's Casts (x -> x_fp16, a master weight -> its FP16 copy) are looked through, and
+    weights are not tensors to train through ('?' when there is none)."""
+    producer = {o: n for n in graph.node for o in n.output}
+    for t in reads.get(tuple(node.output), node.input):
+        if t not in active:
+            continue
+        while t in producer and producer[t].op_type == "Cast":
+            t = producer[t].input[0]
+        if t not in wrt:
+            return t
+    return "?"
+
 
 def training_forward(model: onnx.ModelProto, *, momentum: float | None = None) -> dict[str, str]:
     """Rewrite BatchNormalization and Dropout to their training form, in place.
