@@ -97,7 +97,8 @@ def _gradients(h: "Halves", batches: list, state: dict) -> Bucket:
         feeds.update(batch)
         _run_into(h, feeds, total if k == 0 else h.scratch)
         if k:
-            total.flat[:total.grads_end] += h.scratch.flat[:total.grads_end]
+            with np.errstate(over="ignore", invalid="ignore"):  # an overflowed micro-batch: the step is skipped
+                total.flat[:total.grads_end] += h.scratch.flat[:total.grads_end]
             total.flat[total.grads_end:] = h.scratch.flat[total.grads_end:]
         last = total if k == 0 else h.scratch
         feeds.update({i: np.array(last.views[o]) for i, o in h.bn})
