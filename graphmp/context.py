@@ -37,7 +37,8 @@ class Options:
     atol: float | None = None           # --validate: an element-wise criterion on top of the budget
     rtol: float | None = None
     verbose: bool = False
-    island_trials: int = 4              # --island-trials: FP32 islands / FP16 segments measured for their Casts (0: off)
+    island_trials: int | None = None    # --island-trials: FP32 islands / FP16 segments measured for their Casts
+                                        # (0: off; None: passes/islands.py's size rule)
     fuse: str | None = None             # --fuse ort: ONNX Runtime's transformer fusions first (passes/fuse.py)
     model_type: str | None = None       # --model-type: the fusions' model type (None: found from the graph)
 
@@ -81,7 +82,8 @@ class Options:
         if o.shapes is not None:
             from .inputs import parse_shapes
             o.shapes = parse_shapes(o.shapes)
-        if not (isinstance(o.island_trials, int) and not isinstance(o.island_trials, bool) and o.island_trials >= 0):
+        if o.island_trials is not None and not (isinstance(o.island_trials, int)
+                                                and not isinstance(o.island_trials, bool) and o.island_trials >= 0):
             raise GraphmpError(f"--island-trials must be a whole number >= 0 (0: no FP32 island is measured for its "
                                f"Casts), not {o.island_trials}")
         if o.search_time is not None and not (isinstance(o.search_time, (int, float)) and o.search_time > 0):

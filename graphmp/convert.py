@@ -50,8 +50,8 @@ def _planning(ctx) -> bool:    # --plan or --save-plan
     return ctx.options.plan is not None or bool(ctx.options.save_plan)
 
 
-def _trialing(ctx) -> bool:    # --island-trials N > 0, batches ran, no --max-error / --plan
-    return islands.trials_wanted(ctx.options) and bool(ctx.batches) and bool(ctx.batch_outputs)
+def _trialing(ctx) -> bool:    # island trials wanted (islands.trial_limit), batches ran
+    return islands.trials_wanted(ctx) and bool(ctx.batches) and bool(ctx.batch_outputs)
 
 
 def _plan_given(ctx) -> bool:  # --plan

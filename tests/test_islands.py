@@ -142,3 +142,17 @@ def test_island_steps_are_those_its_docstring_lists():
     listed = re.findall(r"^\s+(\d+)\. (\w+):", islands.__doc__, re.M)
     assert [int(i) for i, _ in listed] == list(range(1, len(islands.STEPS) + 1))
     assert [name for _, name in listed] == [name for name, _ in islands.STEPS]
+
+
+def test_without_island_trials_a_model_over_the_weight_limit_is_not_measured(monkeypatch):
+    """The default measures only models whose weights are at most AUTO_MAX_WEIGHT_BYTES (a
+    trial runs an emulated copy of the model: BERT-base's 438 MB took 1.8 GB more); the report
+    says why, and --island-trials N measures anyway."""
+    from graphmp.passes import islands
+    m, data = free_island(), _feeds("x", (1, 4, 8, 8))
+    monkeypatch.setattr(islands, "AUTO_MAX_WEIGHT_BYTES", 100)      # the tiny model's 1.2 KB is over it
+    big = graphmp.convert(m, None, calibration=data)
+    assert big.fp32_nodes["rsum"].startswith("ReduceSum is range-sensitive")   # paint's plan, unmeasured
+    assert "not measured" in big.to_dict()["islands"]["skipped"] and "--island-trials" in big.to_dict()["islands"]["skipped"]
+    forced = graphmp.convert(m, None, calibration=data, island_trials=4)
+    assert "rsum" not in forced.fp32_nodes and _trial(forced, "drop")["decision"].startswith("FP16")

@@ -276,7 +276,7 @@ def run(ctx) -> PassResult:
     from .islands import trials_wanted
     from .search import MAX_SEARCH_BATCHES
     wants_references = (ctx.options.max_error is not None or ctx.options.plan is not None  # search / plan verify
-                        or trials_wanted(ctx.options))                                   # the islands' trials
+                        or trials_wanted(ctx))                                           # the islands' trials
     cal = calibrate(ctx.model, ctx.types, data=ctx.options.calibration, shapes=ctx.options.shapes,
                     base_dir=ctx.base_dir, where=ctx.path,
                     keep_outputs=MAX_SEARCH_BATCHES + 1 if wants_references else 0)

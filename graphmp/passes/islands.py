@@ -78,14 +78,36 @@ BYTES_PER_FLOP = 3.35e12 * (1 / 494.7e12 - 1 / 989.4e12)
 # model whose activations are large (magika: 1.5 GFLOP, 16 MB of Casts) would otherwise
 # price every Tensor Core FLOP below its Casts and go FP32 whole.
 MERGE_FLOPS_SHARE = 0.10
+# Without --island-trials: 4 trials for a model whose weights are at most 256 MB, none above
+# (the report says so). A trial runs an emulated copy of the model: on a BERT-base (438 MB)
+# the step took 3 s and raised convert's peak memory from 0.5 to 2.3 GB to find that its
+# LayerNorm islands buy accuracy.
+AUTO_TRIALS = 4
+AUTO_MAX_WEIGHT_BYTES = 256 * 2 ** 20
 LOW_BYTES, FP32_BYTES = 2, 4
 MERGED = ("islands: merged with its FP32 neighbours (its Casts moved {mb:.3g} MB per inference, more than its "
           "Tensor Core work is worth: {flops:.3g} FLOPs x {bpf:.3g} bytes; error x{ratio:.3g})")
 
 
-def trials_wanted(options) -> bool:
-    """The options under which the pass measures (the batches must also have run)."""
-    return options.island_trials > 0 and options.max_error is None and options.plan is None
+def trial_limit(ctx) -> int:
+    """How many candidates the pass may measure: --island-trials, or by default AUTO_TRIALS
+    for a model whose weights are at most AUTO_MAX_WEIGHT_BYTES; 0 with --max-error (the
+    search decides) or --plan (the file decides). Needs the prepare step's weight bytes."""
+    o = ctx.options
+    if o.max_error is not None or o.plan is not None:
+        return 0
+    if o.island_trials is not None:
+        return o.island_trials
+    return AUTO_TRIALS if _weight_bytes(ctx) <= AUTO_MAX_WEIGHT_BYTES else 0
+
+
+def trials_wanted(ctx) -> bool:
+    """The pass measures (the batches must also have run)."""
+    return trial_limit(ctx) > 0
+
+
+def _weight_bytes(ctx) -> int:
+    return int((ctx.report.get("prepare") or {}).get("weight_bytes", 0))
 
 
 def precision_seed(n, info, norm_io: str) -> bool:
@@ -324,13 +346,19 @@ def _commit(ctx, plans: _Plans, state: dict, accepted: list) -> None:
 
 
 def run(ctx) -> PassResult:
-    if not (trials_wanted(ctx.options) and ctx.batches and ctx.batch_outputs):
+    if not (trials_wanted(ctx) and ctx.batches and ctx.batch_outputs):
+        if ctx.options.island_trials is None and trial_limit(ctx) == 0 and ctx.options.max_error is None \
+                and ctx.options.plan is None:
+            return PassResult(changed=False, details={"skipped": (
+                f"not measured: the model's weights ({_weight_bytes(ctx) / 2 ** 20:.0f} MB) are over "
+                f"{AUTO_MAX_WEIGHT_BYTES / 2 ** 20:.0f} MB, and each trial runs an emulated copy of it; "
+                "--island-trials N measures anyway")})
         return PassResult(changed=False)
     t0 = time.perf_counter()
     plans = _Plans(ctx)
     total = plans.cast_bytes(plans.base)
     details = {"cast_bytes_before": total, "factor": FACTOR, "floor": FLOOR, "min_share": MIN_SHARE, "trials": []}
-    chosen = _chosen(plans, total, ctx.options.island_trials) if total else []
+    chosen = _chosen(plans, total, trial_limit(ctx)) if total else []
     if not chosen:
         details.update(cast_bytes_after=total, runs=0, seconds=round(time.perf_counter() - t0, 3))
         return PassResult(changed=False, details=details)
