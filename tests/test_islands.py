@@ -156,3 +156,13 @@ def test_without_island_trials_a_model_over_the_weight_limit_is_not_measured(mon
     assert "not measured" in big.to_dict()["islands"]["skipped"] and "--island-trials" in big.to_dict()["islands"]["skipped"]
     forced = graphmp.convert(m, None, calibration=data, island_trials=4)
     assert "rsum" not in forced.fp32_nodes and _trial(forced, "drop")["decision"].startswith("FP16")
+
+
+def test_without_island_trials_the_trials_stop_when_the_time_budget_is_spent(monkeypatch):
+    from graphmp.passes import islands
+    m, data = free_island(), _feeds("x", (1, 4, 8, 8))
+    monkeypatch.setattr(islands, "AUTO_SECONDS", 0.0)
+    rep = graphmp.convert(m, None, calibration=data)
+    t = _trial(rep, "drop")
+    assert t["decision"].startswith("not tried: the step's 0 s are spent") and "rsum" in rep.fp32_nodes
+    assert "rsum" not in graphmp.convert(m, None, calibration=data, island_trials=4).fp32_nodes  # N forces

@@ -84,6 +84,9 @@ MERGE_FLOPS_SHARE = 0.10
 # LayerNorm islands buy accuracy.
 AUTO_TRIALS = 4
 AUTO_MAX_WEIGHT_BYTES = 256 * 2 ** 20
+# ... and only as many as fit in this many seconds (the measured cost of one emulated pass
+# decides): a style-transfer net at 720x720 takes 2.6 s a pass, and convert went 2.5 -> 14 s
+AUTO_SECONDS = 6.0
 LOW_BYTES, FP32_BYTES = 2, 4
 MERGED = ("islands: merged with its FP32 neighbours (its Casts moved {mb:.3g} MB per inference, more than its "
           "Tensor Core work is worth: {flops:.3g} FLOPs x {bpf:.3g} bytes; error x{ratio:.3g})")
@@ -365,11 +368,18 @@ def run(ctx) -> PassResult:
     seeds = frozenset(n for c in chosen if c.kind == "drop" for n in c.nodes)
     movable = (plans.lowered(seeds, frozenset()) - plans.base) | {n for c in chosen if c.kind == "merge" for n in c.nodes}
     m = _Measure(ctx, plans, movable)
+    t_run = time.perf_counter()
     state = {"freed": frozenset(), "merged": frozenset(), "low": plans.base, "bytes": total,
              "errors": m.errors(plans.base)}
+    t_run = time.perf_counter() - t_run  # one emulated pass over the batches: what each trial costs
+    budget = AUTO_SECONDS if ctx.options.island_trials is None else None
     accepted = []
     for c in chosen:
-        rec = _try(plans, m, c, state, total)
+        if budget is not None and time.perf_counter() - t0 + t_run > budget:
+            rec = dict(_record(c, total), decision=f"not tried: the step's {budget:g} s are spent (an emulated "
+                       f"pass takes {t_run:.1f} s here); --island-trials N tries N whatever the time")
+        else:
+            rec = _try(plans, m, c, state, total)
         details["trials"].append(rec)
         ctx.log(f"islands: {c.kind} {rec.get('seeds', rec.get('nodes'))[:3]}: {rec['decision']}")
         if rec["decision"].startswith(("FP16:", "FP32:")):
