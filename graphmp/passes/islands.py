@@ -8,9 +8,10 @@ measures whether the island buys accuracy; where it does not, the Casts go.
 Needs: ctx.info, ctx.lowered (paint), ctx.batches, ctx.batch_outputs, ctx.shapes
 (calibrate). Gives: ctx.lowered, changed only where a measurement allowed it;
 report["islands"]: every trial, its bytes, its errors and the decision. Runs with
---island-trials N > 0 (default 4) and calibration batches, not with --max-error (the
-search decides the precisions by its budget) or --plan (the file decides them). Works on
-the main graph (bodies of If/Loop/Scan keep paint's plan).
+calibration batches and trial_limit > 0: --island-trials N, or by default AUTO_TRIALS
+within AUTO_SECONDS for a model whose weights are at most AUTO_MAX_WEIGHT_BYTES; not with
+--max-error (the search decides the precisions by its budget) or --plan (the file decides
+them). Works on the main graph (bodies of If/Loop/Scan keep paint's plan).
 
 Steps (STEPS), in order:
   1. price:    the bytes the plan's Casts move per inference (_cast_bytes): a float
