@@ -159,6 +159,7 @@ def test_accumulation_reduces_once_per_window_and_matches_one_process(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert (summary["steps"], summary["updates"], summary["accumulate"]) == (20, 10, 2)
+    assert summary["all_reduces"] == 10                   # once per window, not per micro-batch
     a, b = latest_state(one)[0], latest_state(two)[0]
     assert int(a["optimizer_step"]) == int(b["optimizer_step"]) == 10
     meta = json.loads(open(os.path.join(one, "train.json")).read())

@@ -296,8 +296,14 @@ class _Loop:
         self.info = pos["info"]
         self.losses, self.skipped, self.evals = [], 0, []
         self.times = {"compute": 0.0, "all_reduce": 0.0, "update": 0.0}
+        self.reductions = 0
         self.setup = {"batch_size": c.batch_size, "seed": c.seed, "drop_last": True,
                       "samples": job.shards.src.n, "world_size": job.n}
+
+    def _reduce(self, flat):
+        """The job's all-reduce, counted (the summary's all_reduces: one per window)."""
+        self.reductions += 1
+        return self.job.reduce(flat)
 
     def _window(self) -> list | None:
         """The next window's micro-batches of this rank (None: not a whole window left)."""
@@ -331,7 +337,7 @@ class _Loop:
             batches = self._window()
             if batches is None:
                 break
-            loss, applied = dp_step(job.halves, job.reduce, job.n, batches, self.state, self.times, self.opts.sync_bn)
+            loss, applied = dp_step(job.halves, self._reduce, job.n, batches, self.state, self.times, self.opts.sync_bn)
             self.losses.append(loss)
             self.skipped += not applied
             if job.evaluator is not None and self.epoch != epoch:
@@ -352,7 +358,7 @@ class _Loop:
                 "skipped": self.skipped, "world_size": self.job.n, "global_batch": self.job.n * self.c.batch_size,
                 "accumulate": self.job.halves.window, "last_loss": self.losses[-1] if self.losses else None,
                 "seconds": seconds, "seconds_per_step": {k: v / windows for k, v in self.times.items()},
-                "eval_per_epoch": self.evals, "sync_bn": self.opts.sync_bn, **self.info}
+                "all_reduces": self.reductions, "eval_per_epoch": self.evals, "sync_bn": self.opts.sync_bn, **self.info}
 
 
 def _eval_line(r: dict) -> str:
