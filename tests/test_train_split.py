@@ -92,7 +92,7 @@ def test_a_window_fed_at_once_is_the_fused_steps_window(tmp_path, precision):
     """--accumulate 3: the fused step updates after its 3rd run; the split halves, fed the
     window's gradient sum once (graphmp.train.dp_step, a world of one), give the same
     weights and BN statistics after each window."""
-    from graphmp.train.dp_step import Halves, dp_step
+    from graphmp.train.dp_step import DeviceState, Halves, dp_step
     p = tmp_path / "m.onnx"
     onnx.save(tiny.cnn(), p)
     build_step(str(p), str(tmp_path / "r"), loss="cross-entropy", optimizer="adamw", lr=0.05, grad_accum=3,
@@ -109,7 +109,9 @@ def test_a_window_fed_at_once_is_the_fused_steps_window(tmp_path, precision):
         for b in batches[w:w + 3]:
             f = dict(zip(outs, step.run(None, {**b, **fused})))
             fused.update({s["input"]: f[s["output"]] for s in meta["state"]})
-        _, applied = dp_step(halves, lambda flat: flat, 1, batches[w:w + 3], split, times)
+        st = DeviceState(split, [s["input"] for s in meta["state"]], halves.device)
+        _, applied = dp_step(halves, lambda flat: flat, 1, batches[w:w + 3], st, times)
+        split = st.numpy()
         assert applied == bool(f["all_finite"])
         for k in meta["weights"] + meta["bn_stats"]:
             np.testing.assert_allclose(split[k], fused[k], rtol=1e-5, atol=1e-6, err_msg=k)

@@ -177,7 +177,7 @@ def _setup(run_dir, data, c, opts: DistOptions, torch, dist, devices) -> tuple[_
     """This rank's job and the state and position to start from; every data and run error is
     raised before the first step, prefixed with the rank."""
     from .data import DataCheck, Dataset, label_rule, make_source
-    from .dp_step import Halves
+    from .dp_step import DeviceState, Halves
     from .loop import load_run, refuse_data_in_run
     rank, n, local = world()
     meta = load_run(run_dir)
@@ -197,6 +197,7 @@ def _setup(run_dir, data, c, opts: DistOptions, torch, dist, devices) -> tuple[_
     if opts.eval_data is not None:
         job.evaluator = _eval_setup(run_dir, meta, opts.eval_data, check, providers, c)
     state, pos = _start(run_dir, meta, rank, n, c)
+    state = DeviceState(state, [s["input"] for s in meta["state"]], halves.device)
     info = {"backend": backend, "providers": halves.grad.get_providers(), "note": note}  # what runs, not what was asked
     return job, state, dict(pos, info=info)
 
@@ -324,7 +325,7 @@ class _Loop:
         or the ranks' mean with sync_bn)."""
         from .loop import save_checkpoint
         if self.job.rank == 0:
-            save_checkpoint(self.job.run_dir, self.state,
+            save_checkpoint(self.job.run_dir, self.state.numpy(),
                             {"step": self.step, "epoch": self.epoch, "position": self.i, "skipped": self.skipped,
                              "setup": self.setup}, self.losses)
 
@@ -341,7 +342,7 @@ class _Loop:
             self.losses.append(loss)
             self.skipped += not applied
             if job.evaluator is not None and self.epoch != epoch:
-                self.evals.append(dict(_evaluate(job, self.state), epoch=self.epoch, step=self.step))
+                self.evals.append(dict(_evaluate(job, self.state.numpy()), epoch=self.epoch, step=self.step))
                 if job.rank == 0 and c.progress:
                     print(_eval_line(self.evals[-1]), flush=True)
             if every and self.step // every > before // every:

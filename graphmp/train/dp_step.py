@@ -46,7 +46,7 @@ class Halves:
         self.grad_in = [i.name for i in self.grad.get_inputs()]
         self.upd_in = [i.name for i in self.upd.get_inputs()]
         self.upd_out = [o.name for o in self.upd.get_outputs()]
-        self.loss = meta["loss_output"]
+        self.loss, self.finite = meta["loss_output"], meta["finite_output"]
         self.grads = [t for t in self.handed if t.endswith(GRAD)]
         # (BN statistic input, the tensor the gradient half gives its value after the batch)
         self.bn = list(zip([s["input"] for s in meta["state"] if s["kind"] == "bn"],
@@ -54,6 +54,42 @@ class Halves:
         self.state = [(s["input"], s["output"]) for s in meta["state"]]
         self.window = int(meta["config"].get("grad_accum", 1) or 1)
         self.bucket = self.scratch = None  # made at the first step, from the state's shapes
+        self.empty_window = None           # the accumulation inputs of a window fed at once
+        from ..session import CUDA, ran_on
+        on_cuda = ran_on(self.grad) == CUDA
+        cuda_id = next((int(p[1].get("device_id", 0)) for p in providers if isinstance(p, tuple) and p[0] == CUDA), 0)
+        self.device = ("cuda", cuda_id) if on_cuda else ("cpu", 0)
+
+
+class DeviceState:
+    """The training state as OrtValues on the sessions' device, double-buffered like the
+    single process's bound state (loop.StepRunner): the update half writes the next state
+    into the other buffer, so no step copies the weights and moments to numpy and back
+    (on CUDA: no PCIe round trip of the optimizer state). numpy() copies, for checkpoints
+    and eval."""
+
+    def __init__(self, state: dict, names: list, device: tuple):
+        from onnxruntime import OrtValue
+        kind, index = device
+        arrays = {n: np.array(state[n], order="C") for n in names}
+        self.bufs = [{n: OrtValue.ortvalue_from_numpy(a, kind, index) for n, a in arrays.items()},
+                     {n: OrtValue.ortvalue_from_shape_and_type(list(a.shape), a.dtype, kind, index)
+                      for n, a in arrays.items()}]
+        self.cur = 0
+
+    @property
+    def now(self) -> dict:
+        return self.bufs[self.cur]
+
+    @property
+    def next(self) -> dict:
+        return self.bufs[1 - self.cur]
+
+    def swap(self) -> None:
+        self.cur = 1 - self.cur
+
+    def numpy(self) -> dict:
+        return {n: np.array(v.numpy()) for n, v in self.now.items()}
 
 
 class Bucket:
@@ -63,9 +99,9 @@ class Bucket:
     so no concatenation copies the gradients before the all-reduce, and the update half
     reads the reduced views."""
 
-    def __init__(self, h: "Halves", state: dict):
-        shapes = [(h.loss, ())] + [(g, np.shape(state[g[:-len(GRAD)]])) for g in h.grads] \
-            + [(o, np.shape(state[i])) for i, o in h.bn]
+    def __init__(self, h: "Halves", st: DeviceState):
+        shape = {n: tuple(v.shape()) for n, v in st.now.items()}
+        shapes = [(h.loss, ())] + [(g, shape[g[:-len(GRAD)]]) for g in h.grads] + [(o, shape[i]) for i, o in h.bn]
         sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape in shapes]
         self.flat = np.zeros(sum(sizes), np.float32)
         self.views, pos = {}, 0
@@ -75,27 +111,31 @@ class Bucket:
         self.grads_end = sizes[0] + sum(sizes[1:1 + len(h.grads)])  # loss + gradients: summed over micro-batches
 
 
-def _run_into(h: "Halves", feeds: dict, bucket: Bucket) -> None:
-    """One run of the gradient half writing its outputs into the bucket's views."""
+def _run_into(h: "Halves", feeds: dict, st: DeviceState, bucket: Bucket) -> None:
+    """One run of the gradient half on `feeds` (the batch, BN statistics of the micro-batch
+    before) and the state's OrtValues, writing its outputs into the bucket's views."""
     io = h.grad.io_binding()
     for k in h.grad_in:
-        io.bind_cpu_input(k, np.ascontiguousarray(feeds[k]))
+        if k in feeds:
+            io.bind_cpu_input(k, np.asarray(feeds[k], order="C"))  # ascontiguousarray would make a scalar [1]
+        else:
+            io.bind_ortvalue_input(k, st.now[k])
     for name, view in bucket.views.items():
         io.bind_output(name, "cpu", 0, np.float32, list(view.shape), view.ctypes.data)
     h.grad.run_with_iobinding(io)
 
 
-def _gradients(h: "Halves", batches: list, state: dict) -> Bucket:
+def _gradients(h: "Halves", batches: list, st: DeviceState) -> Bucket:
     """The gradient half over this rank's micro-batches into h's bucket: the loss's mean and
     the gradients' sum over them, the BN values after the last; each micro-batch reads the
     BN statistics the one before it left."""
     if h.bucket is None:
-        h.bucket, h.scratch = Bucket(h, state), (Bucket(h, state) if h.window > 1 else None)
+        h.bucket, h.scratch = Bucket(h, st), (Bucket(h, st) if h.window > 1 else None)
     total = h.bucket
-    feeds = dict(state)
+    feeds = {}
     for k, batch in enumerate(batches):
         feeds.update(batch)
-        _run_into(h, feeds, total if k == 0 else h.scratch)
+        _run_into(h, feeds, st, total if k == 0 else h.scratch)
         if k:
             with np.errstate(over="ignore", invalid="ignore"):  # an overflowed micro-batch: the step is skipped
                 total.flat[:total.grads_end] += h.scratch.flat[:total.grads_end]
@@ -119,27 +159,47 @@ def _all_reduce_mean(reduce, bucket: Bucket, sync_bn: bool, n: int) -> None:
     np.multiply(part, np.float32(1.0 / n), out=part)
 
 
-def dp_step(h: Halves, reduce, n: int, batches: list, state: dict, times: dict,
+def _empty_window(h: Halves, st: DeviceState) -> dict:
+    """With accumulation, the window state the update half is fed: zero sums and the count
+    K-1, so that this one run completes the window and divides the sum by K."""
+    if h.empty_window is None:
+        h.empty_window = {w[:-len(GRAD)] + ACCUM: np.zeros(st.now[w[:-len(GRAD)] + ACCUM].shape(), np.float32)
+                          for w in h.grads}
+        h.empty_window[ACCUM_COUNT] = np.asarray(h.window - 1, dtype=np.int64)
+    return h.empty_window
+
+
+def _update(h: Halves, st: DeviceState, bucket: Bucket) -> bool:
+    """The update half on the state's OrtValues and the reduced bucket, writing the next
+    state into the other buffer; whether the step was applied (all_finite)."""
+    extra = {**bucket.views, **(_empty_window(h, st) if h.window > 1 else {})}
+    io = h.upd.io_binding()
+    for k in h.upd_in:
+        if k in extra:
+            io.bind_cpu_input(k, extra[k])
+        else:
+            io.bind_ortvalue_input(k, st.now[k])
+    io.bind_output(h.finite, "cpu")
+    for i, o in h.state:
+        io.bind_ortvalue_output(o, st.next[i])
+    h.upd.run_with_iobinding(io)
+    st.swap()
+    return bool(io.get_outputs()[0].numpy())
+
+
+def dp_step(h: Halves, reduce, n: int, batches: list, st: DeviceState, times: dict,
             sync_bn: bool = False) -> tuple[float, bool]:
     """One data-parallel step (one accumulation window: len(batches) == h.window) on this
     rank: (the loss averaged over ranks and micro-batches, whether the update was applied);
-    state updated in place; seconds added to times["compute"], ["all_reduce"], ["update"].
-    reduce(flat FP32 array) -> its sum over the ranks."""
+    the state advanced in place; seconds added to times["compute"], ["all_reduce"],
+    ["update"]. reduce(flat FP32 array) -> its sum over the ranks."""
     t0 = time.perf_counter()
-    bucket = _gradients(h, batches, state)
+    bucket = _gradients(h, batches, st)
     t1 = time.perf_counter()
     _all_reduce_mean(reduce, bucket, sync_bn, n)
     t2 = time.perf_counter()
-    merged = {**state, **bucket.views}
-    if h.window > 1:  # an empty window that this (K-th) run completes: the update divides the sum by K
-        for w in h.grads:
-            acc = w[:-len(GRAD)] + ACCUM
-            merged[acc] = np.zeros_like(state[acc])
-        merged[ACCUM_COUNT] = np.asarray(h.window - 1, dtype=np.asarray(state[ACCUM_COUNT]).dtype)
-    out = dict(zip(h.upd_out, h.upd.run(h.upd_out, {k: merged[k] for k in h.upd_in})))
-    for i, o in h.state:
-        state[i] = out[o]
+    applied = _update(h, st, bucket)
     times["compute"] += t1 - t0
     times["all_reduce"] += t2 - t1
     times["update"] += time.perf_counter() - t2
-    return float(bucket.views[h.loss]), bool(out.get("all_finite", True))
+    return float(bucket.views[h.loss]), applied
