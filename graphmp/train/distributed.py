@@ -13,9 +13,9 @@ checkpoints. graphmp/train/dp_step.py is one step (gradients, one all-reduce, th
   process with batch N*b, step by step; the last partial global batch of an epoch is
   dropped (drop_last), and with --grad-accum K a last window of fewer than K batches too.
 - Devices: on CUDA (onnxruntime-gpu, --device auto|cuda) each rank's sessions run on GPU
-  LOCAL_RANK and the all-reduce is NCCL's when torch has CUDA (the bucket goes to that GPU
-  and back: ONNX Runtime's outputs are host arrays here); on the CPU gloo, and each rank
-  gets cores / N threads.
+  LOCAL_RANK, the state stays there (dp_step.DeviceState) and the all-reduce is NCCL's when
+  torch has CUDA (the host bucket of gradients goes to that GPU and back); on the CPU
+  gloo, and each rank gets cores / N threads.
 - BatchNorm statistics: per rank by default (each rank's own batch statistics; rank 0's
   are saved); sync_bn averages the running statistics over the ranks after every step (in
   the same all-reduce; as timm's distribute_bn). The forward still normalises with each
