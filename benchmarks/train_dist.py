@@ -6,9 +6,10 @@ BERT encoder, trained with mse on its last hidden state), through the CLI as a u
   dp-1     `graphmp train RUN --nproc 1 --batch-size B` (the split step, one rank: the cost
            of splitting and of a world-of-one all-reduce)
   dp-N     `graphmp train RUN --nproc N --batch-size B` (B per rank: N x B per step)
-Recorded: wall seconds of the command, steps, steps/s and samples/s of the training loop
-(rank 0's own timing, so process start and torch import are not in it), seconds per step
-split into compute (the gradient half), all-reduce and update, and the scaling efficiency
+Recorded: wall seconds of the command, steps, and samples/s from the median step time, for
+every row alike (the single process's summary and rank 0's --dist-summary: process start,
+torch import and the first steps' ONNX Runtime warm-up are not in it), the mean seconds per
+step split into compute (the gradient half), all-reduce and update, and the scaling efficiency
 throughput(dp-N) / (N x throughput(dp-1)). On a 2-core machine N=2 shares the cores the
 single rank had: the efficiency says what the all-reduce and the split cost, not what a
 second machine would give.
@@ -118,8 +119,9 @@ def measure(name, model, data, flags, args, tmp, overrides=None) -> dict:
         if extra:
             s = json.load(open(summ))
             per_rank = batch
-            r.update(steps=s["steps"], loop_s=s["seconds"], steps_per_s=s["steps"] / s["seconds"],
-                     samples_per_s=s["steps"] * s["global_batch"] / s["seconds"], split=s["seconds_per_step"],
+            med = s["median_step_s"]  # per step (window), like the single process's median: warm-up left out
+            r.update(steps=s["steps"], loop_s=s["seconds"], median_step_s=med, steps_per_s=1.0 / med,
+                     samples_per_s=s["global_batch"] * s["accumulate"] / med, split=s["seconds_per_step"],
                      global_batch=s["global_batch"], per_rank_batch=per_rank)
         else:
             s = json.load(open(os.path.join(rd, "summary.json")))

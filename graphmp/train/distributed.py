@@ -297,7 +297,7 @@ class _Loop:
         self.info = pos["info"]
         self.losses, self.skipped, self.evals = [], 0, []
         self.times = {"compute": 0.0, "all_reduce": 0.0, "update": 0.0}
-        self.reductions = 0
+        self.reductions, self.step_seconds = 0, []
         self.setup = {"batch_size": c.batch_size, "seed": c.seed, "drop_last": True,
                       "samples": job.shards.src.n, "world_size": job.n}
 
@@ -338,7 +338,9 @@ class _Loop:
             batches = self._window()
             if batches is None:
                 break
+            t_step = time.perf_counter()
             loss, applied = dp_step(job.halves, self._reduce, job.n, batches, self.state, self.times, self.opts.sync_bn)
+            self.step_seconds.append(time.perf_counter() - t_step)
             self.losses.append(loss)
             self.skipped += not applied
             if job.evaluator is not None and self.epoch != epoch:
@@ -359,6 +361,8 @@ class _Loop:
                 "skipped": self.skipped, "world_size": self.job.n, "global_batch": self.job.n * self.c.batch_size,
                 "accumulate": self.job.halves.window, "last_loss": self.losses[-1] if self.losses else None,
                 "seconds": seconds, "seconds_per_step": {k: v / windows for k, v in self.times.items()},
+                # the median, as the single process reports: the first steps' ORT warm-up left out
+                "median_step_s": float(np.median(self.step_seconds)) if self.step_seconds else None,
                 "all_reduces": self.reductions, "eval_per_epoch": self.evals, "sync_bn": self.opts.sync_bn, **self.info}
 
 
