@@ -84,6 +84,19 @@ def test_a_non_float_first_output_names_the_fix(tmp_path):
         build_step(p, str(tmp_path / "run"), loss="mse")
     assert "output 'ids_out' is INT64, not FP32" in str(e.value) and "--model-output (emb)" in str(e.value)
     build_step(p, str(tmp_path / "run2"), loss="mse", output="emb")   # the fix it names works
+    _cli_refuses(p, tmp_path / "run3", "--model-output (emb)")
+
+
+def _cli_refuses(model, run, fix):
+    """`graphmp train-graph MODEL -o RUN --loss mse` as a user runs it: exit 2, one line on
+    stderr that names the fix, no traceback, no run written."""
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-m", "graphmp.cli", "train-graph", str(model), "-o", str(run),
+                          "--loss", "mse"], capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and fix in lines[0], res.stderr
+    assert "Traceback" not in res.stderr and not (run / "train.json").exists()
 
 
 def test_a_symbolic_class_axis_is_a_warning_that_says_how_to_choose(tmp_path, capsys):
@@ -126,6 +139,7 @@ def test_weight_only_int8_is_refused_not_frozen_silently(tmp_path):
     assert "1 weight(s) are stored as integers behind DequantizeLinear (e.g. 'w_q' -> 'dq')" in msg
     assert "--trainable REGEX" in msg and "\n" not in msg
     assert not (tmp_path / "run" / "train.json").exists()
+    _cli_refuses(p, tmp_path / "run_cli", "--trainable REGEX")
 
 
 def test_weight_only_int8_with_trainable_says_what_stays_frozen(tmp_path):
