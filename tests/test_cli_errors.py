@@ -174,3 +174,15 @@ def test_stale_temp_files_of_a_killed_run_are_removed(tmp_path):
     assert main(["convert", str(src), "-o", str(tmp_path / "o.onnx"), "-q", "--no-calibration"]) == 0
     left = sorted(os.listdir(tmp_path))
     assert stale.name not in left and live.name in left and other.name in left
+
+
+def test_a_sigterm_while_an_error_is_being_reported_exits_143_without_a_traceback(monkeypatch, tmp_path):
+    """torchrun stops the surviving ranks with SIGTERM while they report the all-reduce
+    failure; one arriving in the error path (simulated: while the error line is formatted)
+    must end the command with 143, not a Terminated traceback."""
+    import graphmp.cli as cli
+
+    def terminated_now(text):
+        raise cli.Terminated()
+    monkeypatch.setattr(cli, "_one_line", terminated_now)
+    assert cli.main(["convert", str(tmp_path / "missing.onnx")]) == 143

@@ -62,6 +62,14 @@ def main(argv=None) -> int:
     if args.cmd is None:
         _parser().print_help()
         return 2
+    try:
+        return _run(args)
+    except Terminated:  # a SIGTERM while the command's own ending ran (torchrun stopping a rank that
+        return 143      # has already said its error): the exit code says so, no traceback
+
+
+def _run(args) -> int:
+    """The command, with SIGTERM raised as Terminated; errors as one line and an exit code."""
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
