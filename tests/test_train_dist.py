@@ -91,7 +91,9 @@ def test_a_rank_that_dies_ends_the_job_quickly(tmp_path):
         pytest.fail("the job did not end within 60 s of a rank dying")
     assert p.returncode != 0 and time.perf_counter() - t0 < 75
     err = p.stderr.read()
-    assert "graphmp: error: rank 0: the all-reduce failed" in err and "rerun the command" in err, err[-1500:]
+    # the survivor says why in one line; torchrun's SIGTERM may reach it first ("terminated")
+    assert ("graphmp: error: rank 0: the all-reduce failed" in err and "rerun the command" in err) \
+        or "graphmp: terminated" in err, err[-1500:]
     assert "Traceback" not in err, err[-3000:]
 
 
