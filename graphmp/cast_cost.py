@@ -177,17 +177,14 @@ def _run_sizes(model, batch: dict, names: list, types: dict) -> dict:
     with them exposed as outputs ({} where ONNX Runtime cannot run the model)."""
     if not names:
         return {}
-    import onnxruntime as ort
+    from .model_runs import ort_session
     m = onnx.ModelProto()
     m.CopyFrom(model)
     declared = {o.name for o in m.graph.output}
     m.graph.output.extend(onnx.helper.make_tensor_value_info(x, types.get(x, onnx.TensorProto.FLOAT), None)
                           for x in names if x not in declared)
     try:
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the Casts stay as they are
-        so.log_severity_level = 3
-        sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        sess = ort_session(m, optimize=False)  # unoptimised: the Casts stay as they are
         got = sess.run(names, {i.name: batch[i.name] for i in sess.get_inputs() if i.name in batch})
     except Exception:  # noqa: BLE001 - the figures stay inferred (approximate), as without measure
         return {}

@@ -143,6 +143,8 @@ class _Plans:
         self.producers, self.consumers = self.g.producers(), self.g.consumers()
         self.succ, self.pred = float_edges(ctx, self.g)
         self._painted: dict = {}
+        # every tensor's dims, once: calibration's activations and the initializers
+        self._dims = {**ctx.shapes, **{k: list(t.dims) for k, t in self.g.initializers.items()}}
         self.model_flops = self.flops(self.g.nodes)
         self.activation_bytes = FP32_BYTES * sum(float(np.prod(d, dtype=np.float64)) for d in ctx.shapes.values())
 
@@ -204,8 +206,9 @@ class _Plans:
         return out
 
     def flops(self, nodes) -> float:
-        shapes = {**self.ctx.shapes, **{k: list(t.dims) for k, t in self.g.initializers.items()}}
-        return sum(compute_flops(n.proto, shapes) or 0.0 for n in nodes if policy.op_class(n.op_type, n.domain) == "fp16")
+        """Tensor Core FLOPs of `nodes` (Conv/MatMul/Gemm/...) at calibration's shapes."""
+        return sum(compute_flops(n.proto, self._dims) or 0.0 for n in nodes
+                   if policy.op_class(n.op_type, n.domain) == "fp16")
 
 
 def _drop_candidates(plans: _Plans) -> list[Candidate]:

@@ -100,8 +100,8 @@ class Bucket:
     reads the reduced views."""
 
     def __init__(self, h: "Halves", st: DeviceState):
-        shape = {n: tuple(v.shape()) for n, v in st.now.items()}
-        shapes = [(h.loss, ())] + [(g, shape[g[:-len(GRAD)]]) for g in h.grads] + [(o, shape[i]) for i, o in h.bn]
+        dims = {n: tuple(v.shape()) for n, v in st.now.items()}
+        shapes = [(h.loss, ())] + [(g, dims[g[:-len(GRAD)]]) for g in h.grads] + [(o, dims[i]) for i, o in h.bn]
         sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape in shapes]
         self.flat = np.zeros(sum(sizes), np.float32)
         self.views, pos = {}, 0
