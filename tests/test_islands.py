@@ -166,3 +166,61 @@ def test_without_island_trials_the_trials_stop_when_the_time_budget_is_spent(mon
     t = _trial(rep, "drop")
     assert t["decision"].startswith("not tried: the step's 0 s are spent") and "rsum" in rep.fp32_nodes
     assert "rsum" not in graphmp.convert(m, None, calibration=data, island_trials=4).fp32_nodes  # N forces
+
+
+def chain(k, buys=()):
+    """x -> k x (conv -> ReduceSum over the batch axis) -> y: k islands of one op type, each
+    moving about 1/k of the Cast bytes (under MIN_SHARE for k = 12) and computing the same
+    values in FP16 (a sum over one element). An island in `buys` also adds and subtracts 300
+    after its sum: in FP32 the round trip is exact, in FP16 it rounds to 0.25 -- that island
+    buys accuracy."""
+    nodes, x = [], "x"
+    inits = [nph.from_array(np.array([0], np.int64), "axes"), nph.from_array(np.array(300.0, np.float32), "off")]
+    for i in range(k):
+        nodes.append(oh.make_node("Conv", [x, f"w{i}"], [f"c{i}"], name=f"conv{i}", pads=[1, 1, 1, 1]))
+        inits.append(nph.from_array(_w(10 + i, (4, 4, 3, 3)), f"w{i}"))
+        nodes.append(oh.make_node("ReduceSum", [f"c{i}", "axes"], [f"r{i}"], name=f"rsum{i}", keepdims=1))
+        x = f"r{i}"
+        if i in buys:
+            nodes += [oh.make_node("Add", [x, "off"], [f"u{i}"], name=f"up{i}"),
+                      oh.make_node("Sub", [f"u{i}", "off"], [f"d{i}"], name=f"down{i}")]
+            x = f"d{i}"
+    nodes.append(oh.make_node("Identity", [x], ["y"], name="out"))
+    return _model(nodes, [oh.make_tensor_value_info("x", TP.FLOAT, [1, 4, 8, 8])],
+                  [oh.make_tensor_value_info("y", TP.FLOAT, [1, 4, 8, 8])], inits)
+
+
+def test_islands_of_one_op_type_too_small_alone_are_tried_as_one_group():
+    from graphmp.passes import islands
+    m, data = chain(12), _feeds("x", (1, 4, 8, 8))
+    kept = graphmp.convert(m, None, calibration=data, island_trials=0)
+    assert _casts(kept.model) == 24                                    # each island: a Cast in, a Cast out
+    rep = graphmp.convert(m, None, calibration=data)
+    trials = rep.to_dict()["islands"]["trials"]
+    assert len(trials) == 1, trials                                    # no island alone was worth a run
+    t = trials[0]
+    assert t["group"] == "ReduceSum" and t["islands"] == 12 and t["decision"].startswith("FP16")
+    assert t["share_of_cast_bytes"] > islands.MIN_SHARE > 1 / 12
+    assert not [n for n in rep.fp32_nodes if n.startswith("rsum")] and _casts(rep.model) == 2
+    assert check(m, rep.model, data).passed
+
+
+def test_a_refused_group_is_split_until_the_island_that_buys_accuracy_is_found():
+    m, data = chain(12, buys=(5,)), _feeds("x", (1, 4, 8, 8))
+    paint = graphmp.convert(m, None, calibration=data, island_trials=0)
+    rep = graphmp.convert(m, None, calibration=data, island_trials=12)
+    d = rep.to_dict()["islands"]
+    groups = [t for t in d["trials"] if t.get("group")]
+    assert groups[0]["islands"] == 12 and groups[0]["decision"].startswith("kept FP32: it buys accuracy")
+    assert [t["islands"] for t in groups[:2]] == [12, 6]               # then its halves, graph order
+    for name in ("rsum5", "up5", "down5"):                             # the island that buys accuracy stays
+        assert name in rep.fp32_nodes, rep.fp32_nodes
+    for i in (0, 1, 2, 6, 7, 8, 9, 10, 11):                            # the halves without it went FP16
+        assert f"rsum{i}" not in rep.fp32_nodes
+    assert _casts(rep.model) <= _casts(paint.model) - 14
+    # the yardstick is paint's plan: no output's error above it, in every accepted trial and at the end
+    for t in d["trials"]:
+        if t["decision"].startswith("FP16"):
+            assert t["errors_after"]["y"] <= d["errors_paint"]["y"]
+    assert d["errors_after"]["y"] <= d["errors_paint"]["y"]
+    assert check(m, rep.model, data).passed

@@ -86,10 +86,11 @@ def add(sub):
                         "accumulate in FP32): softmax (default) Softmax/LogSoftmax; all: LayerNormalization too "
                         "(fewer Casts, a post-LN encoder's residual stream in FP16); fp32: none")
     c.add_argument("--island-trials", type=int, default=None, metavar="N",
-                   help="measure up to N FP32 islands (or FP16 segments between FP32 work) whose Casts move the most "
-                        "bytes: an island goes FP16, a segment FP32, only where no output's error on the "
-                        "calibration batches grows (default: 4 for a model whose weights are at most 256 MB, else "
-                        "0, as each trial runs an emulated copy of the model; 0: off; not with --max-error or --plan)")
+                   help="measure up to N FP32 islands (or groups of them, or FP16 segments between FP32 work) whose "
+                        "Casts move the most bytes: an island goes FP16, a segment FP32, only where no output's error "
+                        "on the calibration batches exceeds its error in the plan without trials (default: 8 within "
+                        "6 s for a model whose weights are at most 256 MB, else 0, as each trial runs an emulated "
+                        "copy of the model; 0: off; not with --max-error or --plan)")
     _add_budget(c)
     add_external_data(c, "when the input had external data or >1.8 GB")
     add_report(c, "write the full report (every FP32 node and why) as JSON")

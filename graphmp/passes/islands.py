@@ -21,22 +21,31 @@ Steps (STEPS), in order:
                precision rule (a node's FP32 op class: a reduction, Softmax, Exp, ...; a
                summed square; precision_seed) is a candidate to run in FP16: paint runs again
                with those nodes as elementwise work (paint.repaint). Also each such node
-               alone, where an island has several. Range, initializer, unknown-op and
-               user rules (--fp32-nodes/--fp32-ops; --norm-io fp32 for Softmax and
-               LayerNormalization) keep their nodes: never candidates;
+               alone, where an island has several, and every island of one op type as one
+               group (fifteen InstanceNorms each move too few bytes to be worth a run; together
+               they move most of them). Range, initializer, unknown-op and user rules
+               (--fp32-nodes/--fp32-ops; --norm-io fp32 for Softmax and LayerNormalization)
+               keep their nodes: never candidates;
   3. merge:    a connected group of FP16 nodes joins its FP32 neighbours when its Casts
                move more bytes than its Tensor Core work is worth: FLOPs of its
                Conv/MatMul/Gemm x BYTES_PER_FLOP (a conv on a 3-channel image between
                the FP32 input and an FP32 island), and all merges together give up at
                most MERGE_FLOPS_SHARE of the model's Conv/MatMul FLOPs;
   4. measure:  candidates saving at least MIN_SHARE of the model's Cast bytes (and
-               MIN_TRAFFIC of what its activations move), most bytes first, at most --island-trials of them, each tried on top of those
-               accepted before it: one emulated run per calibration batch
-               (passes/switchable.py: graphmp.emulate's FP16 storage / FP32 math, the
-               yardstick of the verdict) against the FP32 outputs calibration kept. A
-               candidate is accepted only where every output's error (max|a-b|/max|ref|,
-               worst batch) is at most FACTOR x its error without the candidate, or
-               below FLOOR; so an island that buys accuracy stays.
+               MIN_TRAFFIC of what its activations move), the --island-trials that save most,
+               merges first, each tried on top of those accepted before it: one emulated run
+               per calibration batch (passes/switchable.py: graphmp.emulate's FP16 storage /
+               FP32 math, the yardstick of the verdict) against the FP32 outputs calibration
+               kept. A candidate is accepted only where every output's error (max|a-b|/max|ref|,
+               worst batch) is at most FACTOR x its error in paint's plan, or below FLOOR: the
+               plan that comes out moves fewer bytes than paint's and no output is less
+               accurate. Merges go first because each makes more of the model FP32, and the
+               error it takes away may pay for a drop after it. A group that is refused is
+               tried again as two halves (graph order), so the islands that buy accuracy are
+               found and kept and the rest go FP16;
+  5. revisit:  a merge was priced on the islands of its moment; once later drops took them,
+               its Casts may cost more in FP32 than in FP16: it is measured undone, and
+               undone within the same yardstick.
 """
 from __future__ import annotations
 
@@ -56,9 +65,9 @@ from .classify import SQUARE_REASON
 from .paint import NORM_KEPT, float_edges, repaint
 from .regions import Region, whole
 
-# A candidate may raise no output's error at all (the measured error of the same plan on
-# the same batches is deterministic: any rise is a real change, and issue 26 asks for an
-# error no worse than paint's plan on every output)...
+# A candidate may raise no output's error above its error in paint's plan (the measured
+# error of a plan on the same batches is deterministic: any rise is a real change, and
+# issue 26 asks for an error no worse than paint's plan on every output)...
 FACTOR = 1.0
 # ... or must leave it below 2^-20 of the output's scale: 1/500 of an FP16 rounding, what
 # FP32 summation order alone changes (an output computed in FP32 has error 0 or ~1e-7).
@@ -79,11 +88,12 @@ BYTES_PER_FLOP = 3.35e12 * (1 / 494.7e12 - 1 / 989.4e12)
 # model whose activations are large (magika: 1.5 GFLOP, 16 MB of Casts) would otherwise
 # price every Tensor Core FLOP below its Casts and go FP32 whole.
 MERGE_FLOPS_SHARE = 0.10
-# Without --island-trials: 4 trials for a model whose weights are at most 256 MB, none above
+# Without --island-trials: 8 trials (a refused group of islands is split in halves: finding
+# the one island in sixteen that buys accuracy takes ~8) for a model whose weights are at most 256 MB, none above
 # (the report says so). A trial runs an emulated copy of the model: on a BERT-base (438 MB)
 # the step took 3 s and raised convert's peak memory from 0.5 to 2.3 GB to find that its
 # LayerNorm islands buy accuracy.
-AUTO_TRIALS = 4
+AUTO_TRIALS = 8
 AUTO_MAX_WEIGHT_BYTES = 256 * 2 ** 20
 # ... and only as many as fit in this many seconds (the measured cost of one emulated pass
 # decides): a style-transfer net at 720x720 takes 2.6 s a pass, and convert went 2.5 -> 14 s
@@ -131,6 +141,14 @@ class Candidate:
     saved: float = 0.0                          # Cast bytes saved against the plan it was priced on
     flops: float = 0.0                          # merge: Tensor Core FLOPs given up
     record: dict = field(default_factory=dict)  # the report's entry
+    parts: tuple = ()                           # a group: the seeds of each island it frees, in graph order
+    group: str = ""                             # a group: its op type
+
+    def halves(self) -> list["Candidate"]:
+        """A rejected group's two halves (graph order): each a group again, or one island."""
+        k = len(self.parts) // 2
+        return [Candidate("drop", frozenset().union(*ps), parts=ps if len(ps) > 1 else (), group=self.group)
+                for ps in (self.parts[:k], self.parts[k:])]
 
 
 class _Plans:
@@ -215,7 +233,7 @@ def _drop_candidates(plans: _Plans) -> list[Candidate]:
     """Step 2: each FP32 island with precision seeds, freed whole, and its seeds one by one."""
     info = plans.ctx.info
     fp32 = [n for n in plans.g.nodes if n not in plans.base and info[n].cls not in ("none", "fixed")]
-    out = []
+    out, by_op = [], {}
     for island in plans.groups(fp32):
         seeds = [n for n in island if precision_seed(n, info[n], plans.ctx.options.norm_io)]
         if not seeds:
@@ -223,6 +241,12 @@ def _drop_candidates(plans: _Plans) -> list[Candidate]:
         out.append(Candidate("drop", frozenset(seeds)))
         if len(seeds) > 1:
             out += [Candidate("drop", frozenset([s])) for s in seeds]
+        for op in dict.fromkeys(n.op_type for n in seeds):
+            by_op.setdefault(op, []).append(frozenset(n for n in seeds if n.op_type == op))
+    # every island of one op type together (15 InstanceNorms, 12 Softmaxes): each alone may
+    # move too small a share of the bytes to be worth a run, together they move most of them
+    out += [Candidate("drop", frozenset().union(*ps), parts=tuple(ps), group=op)
+            for op, ps in by_op.items() if len(ps) > 1]
     return out
 
 
@@ -252,7 +276,7 @@ class _Measure:
         finally:
             ctx.lowered.clear()
             ctx.lowered.update(saved)
-        self.runs = 0
+        self.runs, self.seconds = 0, 0.0
 
     def measurable(self, low: set) -> bool:
         fixed = self.plans.base - set(self.movable)
@@ -277,14 +301,20 @@ def _plan_of(plans: _Plans, c: Candidate, freed=frozenset(), merged=frozenset())
     return freed, merged, plans.lowered(freed, merged)
 
 
-def _worth(plans: _Plans, c: Candidate, saved: float, total: float, merged_flops: float = 0.0) -> bool:
-    """Worth measuring: saves MIN_SHARE of the model's Cast bytes; a merge, more bytes than
-    its Tensor Core work is worth, within MERGE_FLOPS_SHARE of the model's FLOPs with the
-    merges accepted before it (merged_flops)."""
-    if saved <= 0 or saved < MIN_SHARE * total or saved < MIN_TRAFFIC * plans.activation_bytes:
-        return False
-    return c.kind == "drop" or (saved > c.flops * BYTES_PER_FLOP
-                                and c.flops + merged_flops <= MERGE_FLOPS_SHARE * plans.model_flops)
+def _unworthy(plans: _Plans, c: Candidate, saved: float, total: float, merged_flops: float = 0.0) -> str:
+    """Why c is not worth measuring ("" if it is): it must save MIN_SHARE of the model's Cast
+    bytes (and MIN_TRAFFIC of its activation bytes); a merge, more bytes than its Tensor Core
+    work is worth, within MERGE_FLOPS_SHARE of the model's FLOPs with the merges accepted
+    before it (merged_flops)."""
+    if saved <= 0:
+        return "the trials accepted before it took its Casts"
+    if saved < MIN_SHARE * total or saved < MIN_TRAFFIC * plans.activation_bytes:
+        return f"it saves under {MIN_SHARE:.0%} of the model's Cast bytes, what a trial must save"
+    if c.kind == "merge" and saved <= c.flops * BYTES_PER_FLOP:
+        return "its Tensor Core work is worth more than its Casts"
+    if c.kind == "merge" and c.flops + merged_flops > MERGE_FLOPS_SHARE * plans.model_flops:
+        return f"with the merges before it, over {MERGE_FLOPS_SHARE:.0%} of the model's Tensor Core FLOPs"
+    return ""
 
 
 def _chosen(plans: _Plans, total: float, limit: int) -> list[Candidate]:
@@ -294,10 +324,12 @@ def _chosen(plans: _Plans, total: float, limit: int) -> list[Candidate]:
     for c in _drop_candidates(plans) + _merge_candidates(plans):
         low = frozenset(_plan_of(plans, c)[2])
         c.saved = total - plans.cast_bytes(low)
-        if low not in seen and _worth(plans, c, c.saved, total):
+        if low not in seen and not _unworthy(plans, c, c.saved, total):
             seen.add(low)
             out.append(c)
-    return sorted(out, key=lambda c: -c.saved)[:limit]
+    # merges first: each makes more of the model FP32, and the error it takes away may pay
+    # for a drop after it (the yardstick is paint's plan, not the plan of the moment)
+    return sorted(sorted(out, key=lambda c: -c.saved)[:limit], key=lambda c: c.kind != "merge")
 
 
 def _record(c: Candidate, total: float) -> dict:
@@ -306,6 +338,8 @@ def _record(c: Candidate, total: float) -> dict:
          "cast_bytes_saved": c.saved, "share_of_cast_bytes": c.saved / total if total else 0.0}
     if c.kind == "merge":
         r.update(flops=c.flops, flops_worth_bytes=c.flops * BYTES_PER_FLOP)
+    if c.parts:
+        r.update(group=c.group, islands=len(c.parts))
     return r
 
 
@@ -316,24 +350,27 @@ def _try(plans: _Plans, m: _Measure, c: Candidate, state: dict, total: float) ->
     freed, merged, low = _plan_of(plans, c, state["freed"], state["merged"])
     after = plans.cast_bytes(low)
     c.saved = rec["cast_bytes_saved"] = state["bytes"] - after
-    if not _worth(plans, c, c.saved, total, plans.flops(state["merged"])):
-        rec["decision"] = "not tried: the trials accepted before it took its Casts or its FLOPs share"
+    rec["share_of_cast_bytes"] = c.saved / total if total else 0.0
+    why = _unworthy(plans, c, c.saved, total, plans.flops(state["merged"]))
+    if why:
+        rec["decision"] = f"not tried: {why}"
         return rec
     if not m.measurable(low):
         rec["decision"] = "not tried: its plan moves nodes outside the measured ones"
         return rec
     err = m.errors(low)
     rec.update(errors_before=state["errors"], errors_after=err)
-    worst = max(err, key=lambda k: err[k] / state["errors"][k] if state["errors"].get(k) else 0.0, default=None)
-    if within(err, state["errors"]):
-        rec["decision"] = ("FP16: the island buys no accuracy" if c.kind == "drop"
+    yard = state["paint_errors"]
+    worst = max(err, key=lambda k: err[k] / yard[k] if yard.get(k) else 0.0, default=None)
+    if within(err, yard):
+        rec["decision"] = ("FP16: without it no output's error exceeds paint's plan's" if c.kind == "drop"
                            else "FP32: its Casts cost more than its FP16 work saves")
         rec["error_ratio"] = max((e / state["errors"][k] for k, e in err.items() if state["errors"].get(k)),
                                  default=1.0)
         state.update(freed=freed, merged=merged, low=low, bytes=after, errors=err)
     else:
         rec["decision"] = ("kept FP32: it buys accuracy" if c.kind == "drop" else "kept FP16: FP32 changes the error") \
-            + f" ({worst}: {state['errors'].get(worst, 0.0):.3g} -> {err[worst]:.3g})"
+            + f" ({worst}: {yard.get(worst, 0.0):.3g} in paint's plan, {err[worst]:.3g} in this one)"
     return rec
 
 
@@ -350,6 +387,60 @@ def _commit(ctx, plans: _Plans, state: dict, accepted: list) -> None:
                                                    bpf=BYTES_PER_FLOP, ratio=rec.get("error_ratio", 1.0))
     ctx.lowered -= set(plans.g.nodes)
     ctx.lowered |= state["low"]
+
+
+def _measure_all(ctx, plans: _Plans, m: _Measure, chosen: list, state: dict, total: float, trials: list,
+                 t0: float) -> list:
+    """Step 4 over the chosen candidates, in order, at most trial_limit runs. A group that
+    buys accuracy is split in halves, tried next (one island in fifteen that matters costs
+    about 2 x log2(15) runs to find, and the other fourteen go FP16). Returns the accepted
+    (candidate, record) pairs; every decision goes into `trials`. t0: when the pass began."""
+    budget = AUTO_SECONDS if ctx.options.island_trials is None else None
+    limit, queue, accepted, t_run = trial_limit(ctx), list(chosen), [], m.seconds
+    while queue:
+        c = queue.pop(0)
+        if c.kind == "drop" and c.nodes <= state["freed"]:
+            continue  # a group accepted before it freed these seeds
+        if m.runs - 1 >= limit:
+            rec = dict(_record(c, total), decision=f"not tried: {limit} trials ran (--island-trials N tries N)")
+        elif budget is not None and time.perf_counter() - t0 + t_run > budget:
+            rec = dict(_record(c, total), decision=f"not tried: the step's {budget:g} s are spent (an emulated "
+                       f"pass takes {t_run:.1f} s here); --island-trials N tries N whatever the time")
+        else:
+            rec = _try(plans, m, c, state, total)
+            if c.parts and rec["decision"].startswith("kept"):
+                queue[:0] = c.halves()
+        trials.append(rec)
+        ctx.log(f"islands: {c.kind} {rec.get('group') or rec.get('seeds', rec.get('nodes'))[:3]}: {rec['decision']}")
+        if rec["decision"].startswith(("FP16:", "FP32:")):
+            accepted.append((c, rec))
+    return _revisit(plans, m, accepted, state, total, trials, limit)
+
+
+def _revisit(plans: _Plans, m: _Measure, accepted: list, state: dict, total: float, trials: list,
+             limit: int) -> list:
+    """A merge was priced on the islands of its moment: once drops after it took them, its
+    Casts may cost more in FP32 than in FP16. Each such merge is measured undone (within
+    the trial limit) and undone where no output's error exceeds paint's plan's."""
+    for c, rec in list(reversed(accepted)):
+        if c.kind != "merge" or m.runs - 1 >= limit:
+            continue
+        merged = state["merged"] - c.nodes
+        low = plans.lowered(state["freed"], merged)
+        after = plans.cast_bytes(low)
+        if after >= state["bytes"]:
+            continue
+        err = m.errors(low)
+        undo = within(err, state["paint_errors"])
+        trials.append({"kind": "unmerge", "nodes": rec["nodes"], "node_count": rec["node_count"],
+                       "cast_bytes_saved": state["bytes"] - after, "share_of_cast_bytes": (state["bytes"] - after) / total,
+                       "errors_before": state["errors"], "errors_after": err,
+                       "decision": "FP16 again: after the drops its Casts cost more in FP32" if undo
+                       else "kept FP32: FP16 again exceeds paint's plan's error"})
+        if undo:
+            state.update(merged=merged, low=low, bytes=after, errors=err)
+            accepted.remove((c, rec))
+    return accepted
 
 
 def run(ctx) -> PassResult:
@@ -375,23 +466,15 @@ def run(ctx) -> PassResult:
     t_run = time.perf_counter()
     state = {"freed": frozenset(), "merged": frozenset(), "low": plans.base, "bytes": total,
              "errors": m.errors(plans.base)}
-    t_run = time.perf_counter() - t_run  # one emulated pass over the batches: what each trial costs
-    budget = AUTO_SECONDS if ctx.options.island_trials is None else None
-    accepted = []
-    for c in chosen:
-        if budget is not None and time.perf_counter() - t0 + t_run > budget:
-            rec = dict(_record(c, total), decision=f"not tried: the step's {budget:g} s are spent (an emulated "
-                       f"pass takes {t_run:.1f} s here); --island-trials N tries N whatever the time")
-        else:
-            rec = _try(plans, m, c, state, total)
-        details["trials"].append(rec)
-        ctx.log(f"islands: {c.kind} {rec.get('seeds', rec.get('nodes'))[:3]}: {rec['decision']}")
-        if rec["decision"].startswith(("FP16:", "FP32:")):
-            accepted.append((c, rec))
+    state["paint_errors"] = state["errors"]
+    m.seconds = time.perf_counter() - t_run  # one emulated pass over the batches: what each trial costs
+    accepted = _measure_all(ctx, plans, m, chosen, state, total, details["trials"], t0)
     _commit(ctx, plans, state, accepted)
-    details.update(cast_bytes_after=state["bytes"], runs=m.runs, seconds=round(time.perf_counter() - t0, 3))
+    details.update(cast_bytes_after=state["bytes"], errors_paint=state["paint_errors"], errors_after=state["errors"],
+                   runs=m.runs, seconds=round(time.perf_counter() - t0, 3))
     return PassResult(changed=False, details=details)
 
 
 # the steps of the module docstring, in its order (tests/test_policy.py holds them equal)
-STEPS = [("price", _Plans.cast_bytes), ("drop", _drop_candidates), ("merge", _merge_candidates), ("measure", _try)]
+STEPS = [("price", _Plans.cast_bytes), ("drop", _drop_candidates), ("merge", _merge_candidates), ("measure", _try),
+         ("revisit", _revisit)]
