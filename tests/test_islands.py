@@ -224,3 +224,37 @@ def test_a_refused_group_is_split_until_the_island_that_buys_accuracy_is_found()
             assert t["errors_after"]["y"] <= d["errors_paint"]["y"]
     assert d["errors_after"]["y"] <= d["errors_paint"]["y"]
     assert check(m, rep.model, data).passed
+
+
+def merge_then_drop():
+    """x (1 + 1e-3 noise) -> convA (1x1 differences of channels: FP16 input loses them) -> Tanh
+    -> rsum1 -> convB -> rsum2 -> convC -> y. convA/Tanh sit between the FP32 input and the
+    island rsum1: merged into FP32 first (they also take error away); then the two free
+    ReduceSum islands go FP16 as a group, and convA/Tanh in FP32 now cost the Cast of Tanh's
+    4 channels where FP16 costs the input's 3."""
+    nodes = [oh.make_node("Conv", ["x", "wa"], ["a"], name="convA"),
+             oh.make_node("Tanh", ["a"], ["t"], name="tanh"),
+             oh.make_node("ReduceSum", ["t", "axes"], ["r1"], name="rsum1", keepdims=1),
+             oh.make_node("Conv", ["r1", "wb"], ["b"], name="convB", pads=[1, 1, 1, 1]),
+             oh.make_node("ReduceSum", ["b", "axes"], ["r2"], name="rsum2", keepdims=1),
+             oh.make_node("Conv", ["r2", "wc"], ["y"], name="convC", pads=[1, 1, 1, 1])]
+    wa = np.array([[1, -1, 0], [0, 1, -1], [1, 0, -1], [1, 1, -2]], np.float32).reshape(4, 3, 1, 1) * 100
+    inits = [nph.from_array(wa, "wa"), nph.from_array(_w(6, (4, 4, 3, 3)), "wb"),
+             nph.from_array(_w(7, (4, 4, 3, 3)), "wc"), nph.from_array(np.array([0], np.int64), "axes")]
+    return _model(nodes, [oh.make_tensor_value_info("x", TP.FLOAT, [1, 3, 8, 8])],
+                  [oh.make_tensor_value_info("y", TP.FLOAT, [1, 4, 8, 8])], inits)
+
+
+def test_a_merge_whose_islands_went_later_is_measured_undone():
+    m = merge_then_drop()
+    data = [{"x": (1 + 1e-3 * np.random.default_rng(s).standard_normal((1, 3, 8, 8))).astype(np.float32)} for s in (1, 2)]
+    rep = graphmp.convert(m, None, calibration=data)
+    d = rep.to_dict()["islands"]
+    assert [(t["kind"], t["decision"].split(":")[0]) for t in d["trials"]] == \
+        [("merge", "FP32"), ("drop", "FP16"), ("unmerge", "FP16 again")], d["trials"]
+    undo = d["trials"][2]
+    assert undo["nodes"] == ["convA", "tanh"] and undo["cast_bytes_saved"] == (4 - 3) * 8 * 8 * 6  # one channel fewer
+    assert undo["errors_after"]["y"] <= d["errors_paint"]["y"]
+    assert "convA" not in rep.fp32_nodes and "tanh" not in rep.fp32_nodes
+    assert d["cast_bytes_after"] == d["cast_bytes_before"] - sum(t["cast_bytes_saved"] for t in d["trials"])
+    assert check(m, rep.model, data).passed
