@@ -42,10 +42,9 @@ Steps (STEPS), in order:
                accurate. Merges go first because each makes more of the model FP32, and the
                error it takes away may pay for a drop after it. A group that is refused is
                tried again as two halves (graph order), so the islands that buy accuracy are
-               found and kept and the rest go FP16;
-  5. revisit:  a merge was priced on the islands of its moment; once later drops took them,
-               its Casts may cost more in FP32 than in FP16: it is measured undone, and
-               undone within the same yardstick.
+               found and kept and the rest go FP16. A merge exists to save the Casts of the
+               islands beside it: a drop that takes them also undoes the merge where FP16
+               there then moves fewer bytes, measured together.
 """
 from __future__ import annotations
 
@@ -241,10 +240,10 @@ def _drop_candidates(plans: _Plans) -> list[Candidate]:
         out.append(Candidate("drop", frozenset(seeds)))
         if len(seeds) > 1:
             out += [Candidate("drop", frozenset([s])) for s in seeds]
-        for op in dict.fromkeys(n.op_type for n in seeds):
-            by_op.setdefault(op, []).append(frozenset(n for n in seeds if n.op_type == op))
-    # every island of one op type together (15 InstanceNorms, 12 Softmaxes): each alone may
-    # move too small a share of the bytes to be worth a run, together they move most of them
+        by_op.setdefault("+".join(sorted({n.op_type for n in seeds})), []).append(frozenset(seeds))
+    # every island with the same seed op types together (15 InstanceNorms, 12 Softmaxes, 4
+    # decomposed LayerNorms' ReduceMean+Pow): each alone may move too small a share of the
+    # bytes to be worth a run, together they move most of them
     out += [Candidate("drop", frozenset().union(*ps), parts=tuple(ps), group=op)
             for op, ps in by_op.items() if len(ps) > 1]
     return out
@@ -349,6 +348,17 @@ def _try(plans: _Plans, m: _Measure, c: Candidate, state: dict, total: float) ->
     rec = _record(c, total)
     freed, merged, low = _plan_of(plans, c, state["freed"], state["merged"])
     after = plans.cast_bytes(low)
+    undone = []
+    for mc, mrec in state["merges"] if c.kind == "drop" else ():
+        # a merge exists to save the Casts of the islands beside it: where this drop takes
+        # them, the merge goes with it if FP16 there now moves fewer bytes
+        low2 = plans.lowered(freed, merged - mc.nodes)
+        after2 = plans.cast_bytes(low2)
+        if after2 < after:
+            merged, low, after = merged - mc.nodes, low2, after2
+            undone.append((mc, mrec))
+    if undone:
+        rec["merges_undone"] = sorted(n.name for mc, _ in undone for n in mc.nodes)[:12]
     c.saved = rec["cast_bytes_saved"] = state["bytes"] - after
     rec["share_of_cast_bytes"] = c.saved / total if total else 0.0
     why = _unworthy(plans, c, c.saved, total, plans.flops(state["merged"]))
@@ -367,7 +377,11 @@ def _try(plans: _Plans, m: _Measure, c: Candidate, state: dict, total: float) ->
                            else "FP32: its Casts cost more than its FP16 work saves")
         rec["error_ratio"] = max((e / state["errors"][k] for k, e in err.items() if state["errors"].get(k)),
                                  default=1.0)
-        state.update(freed=freed, merged=merged, low=low, bytes=after, errors=err)
+        for _, mrec in undone:
+            mrec["decision"] = "FP32, then undone: a later drop took the islands it saved Casts against"
+        kept = [p for p in state["merges"] if not any(p[0] is u for u, _ in undone)]
+        state.update(freed=freed, merged=merged, low=low, bytes=after, errors=err,
+                     merges=kept + ([(c, rec)] if c.kind == "merge" else []))
     else:
         rec["decision"] = ("kept FP32: it buys accuracy" if c.kind == "drop" else "kept FP16: FP32 changes the error") \
             + f" ({worst}: {yard.get(worst, 0.0):.3g} in paint's plan, {err[worst]:.3g} in this one)"
@@ -394,7 +408,8 @@ def _measure_all(ctx, plans: _Plans, m: _Measure, chosen: list, state: dict, tot
     """Step 4 over the chosen candidates, in order, at most trial_limit runs. A group that
     buys accuracy is split in halves, tried next (one island in fifteen that matters costs
     about 2 x log2(15) runs to find, and the other fourteen go FP16). Returns the accepted
-    (candidate, record) pairs; every decision goes into `trials`. t0: when the pass began."""
+    drops and the merges no drop undid, as (candidate, record) pairs; every decision goes
+    into `trials`. t0: when the pass began."""
     budget = AUTO_SECONDS if ctx.options.island_trials is None else None
     limit, queue, accepted, t_run = trial_limit(ctx), list(chosen), [], m.seconds
     while queue:
@@ -414,33 +429,7 @@ def _measure_all(ctx, plans: _Plans, m: _Measure, chosen: list, state: dict, tot
         ctx.log(f"islands: {c.kind} {rec.get('group') or rec.get('seeds', rec.get('nodes'))[:3]}: {rec['decision']}")
         if rec["decision"].startswith(("FP16:", "FP32:")):
             accepted.append((c, rec))
-    return _revisit(plans, m, accepted, state, total, trials, limit)
-
-
-def _revisit(plans: _Plans, m: _Measure, accepted: list, state: dict, total: float, trials: list,
-             limit: int) -> list:
-    """A merge was priced on the islands of its moment: once drops after it took them, its
-    Casts may cost more in FP32 than in FP16. Each such merge is measured undone (within
-    the trial limit) and undone where no output's error exceeds paint's plan's."""
-    for c, rec in list(reversed(accepted)):
-        if c.kind != "merge" or m.runs - 1 >= limit:
-            continue
-        merged = state["merged"] - c.nodes
-        low = plans.lowered(state["freed"], merged)
-        after = plans.cast_bytes(low)
-        if after >= state["bytes"]:
-            continue
-        err = m.errors(low)
-        undo = within(err, state["paint_errors"])
-        trials.append({"kind": "unmerge", "nodes": rec["nodes"], "node_count": rec["node_count"],
-                       "cast_bytes_saved": state["bytes"] - after, "share_of_cast_bytes": (state["bytes"] - after) / total,
-                       "errors_before": state["errors"], "errors_after": err,
-                       "decision": "FP16 again: after the drops its Casts cost more in FP32" if undo
-                       else "kept FP32: FP16 again exceeds paint's plan's error"})
-        if undo:
-            state.update(merged=merged, low=low, bytes=after, errors=err)
-            accepted.remove((c, rec))
-    return accepted
+    return [(c, rec) for c, rec in accepted if c.kind == "drop"] + state["merges"]
 
 
 def run(ctx) -> PassResult:
@@ -464,7 +453,7 @@ def run(ctx) -> PassResult:
     movable = (plans.lowered(seeds, frozenset()) - plans.base) | {n for c in chosen if c.kind == "merge" for n in c.nodes}
     m = _Measure(ctx, plans, movable)
     t_run = time.perf_counter()
-    state = {"freed": frozenset(), "merged": frozenset(), "low": plans.base, "bytes": total,
+    state = {"freed": frozenset(), "merged": frozenset(), "merges": [], "low": plans.base, "bytes": total,
              "errors": m.errors(plans.base)}
     state["paint_errors"] = state["errors"]
     m.seconds = time.perf_counter() - t_run  # one emulated pass over the batches: what each trial costs
@@ -476,5 +465,4 @@ def run(ctx) -> PassResult:
 
 
 # the steps of the module docstring, in its order (tests/test_policy.py holds them equal)
-STEPS = [("price", _Plans.cast_bytes), ("drop", _drop_candidates), ("merge", _merge_candidates), ("measure", _try),
-         ("revisit", _revisit)]
+STEPS = [("price", _Plans.cast_bytes), ("drop", _drop_candidates), ("merge", _merge_candidates), ("measure", _try)]
