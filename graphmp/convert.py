@@ -24,8 +24,8 @@ from .model_io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materiali
                  tensor_nbytes)
 from .save import save_model
 from .wire import is_self_reference
-from .passes import (PassResult, Step, apply, calibrate, checking, classify, fuse, islands, paint, plan_file,
-                     prepare, run_steps, search, types)
+from .passes import (PassResult, Step, apply, calibrate, checking, classify, fuse, islands, legalize, paint,
+                     plan_file, prepare, run_steps, search, types)
 from .passes.apply import LowConverter, to_low
 from .plan_read import load as load_plan
 
@@ -69,6 +69,8 @@ def _plan_saved(ctx) -> bool:  # --save-plan
 PIPELINE = [
     # --fuse ort: ONNX Runtime's transformer fusions
     Step("fuse", fuse.run, needs=("model",), gives=("model",)),
+    # ImageScaler/Crop/Affine/... (experimental ops removed in opset 10) as standard ops
+    Step("legalize", legalize.run, needs=("model",), gives=("model",)),
     # opset >= 7, constants, names, sorted; the IR
     Step("prepare", prepare.run, needs=("model",), gives=("root", "names")),
     # element type of every tensor; the opsets
@@ -168,6 +170,8 @@ class ConvertReport:
             f = d["fuse"]
             lines.append(f"  fused ({f['model_type']}, ONNX Runtime only): " + ", ".join(
                 f"{v} {k}" for k, v in f["fused"].items()) if f["fused"] else f"  fuse: {f['note']}")
+        if d.get("legalize"):
+            lines.append(legalize.summary_line(d["legalize"]))
         if d.get("search", {}).get("budget"):
             lines.append(_search_line(d["search"]))
         if d.get("plan"):

@@ -5,7 +5,7 @@
     builder.py    graph-building helpers shared by step/losses/optim/source (unique names, pruning, lifting)
     source.py     the source model before the step: Constant weights lifted, tied/shared/frozen params reported
     rnn.py        decompose_recurrent(): LSTM/GRU unrolled into primitive ops that have gradient rules
-    removed_ops.py  rewrite_experimental(): ImageScaler/Crop/Affine (gone from ONNX) as standard ops
+    removed_ops.py  rewrite_experimental(): ImageScaler/Crop/Affine/... (gone from ONNX) as standard ops
     measure.py    declare_measured(): tensor ranks/dims onnx inference loses, measured in ONNX Runtime
     losses.py     add_loss(): cross-entropy (torch's semantics: class axis, ignore index, smoothing, weights) or MSE
     optim.py      the update as ONNX nodes: finite check, clipping, lr schedule, grad accumulation, SGD/AdamW, loss scale
