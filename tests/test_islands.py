@@ -259,3 +259,33 @@ def test_a_drop_that_takes_a_merges_islands_undoes_the_merge():
     assert d["cast_bytes_after"] == d["cast_bytes_before"] - sum(
         t["cast_bytes_saved"] for t in d["trials"] if t["decision"].startswith(("FP16", "FP32")))  # each on the plan before it
     assert check(m, rep.model, data).passed
+
+
+def two_branches_into_fp32():
+    """branch_into_fp32 twice: x -> convAk (3->4, 1x1) -> Tanh -> convBk (pinned FP32) -> yk for
+    k = 1, 2, beside x -> convC (3x3, the Tensor Core work) -> y3: two FP16 segments, each
+    worth merging, measured as one group."""
+    nodes, inits, outs = [], [], []
+    for k in (1, 2):
+        nodes += [oh.make_node("Conv", ["x", f"wa{k}"], [f"a{k}"], name=f"convA{k}"),
+                  oh.make_node("Tanh", [f"a{k}"], [f"t{k}"], name=f"tanh{k}"),
+                  oh.make_node("Conv", [f"t{k}", f"wb{k}"], [f"y{k}"], name=f"convB{k}")]
+        inits += [nph.from_array(_w(5 + k, (4, 3, 1, 1)), f"wa{k}"), nph.from_array(_w(7 + k, (4, 4, 1, 1)), f"wb{k}")]
+        outs.append(oh.make_tensor_value_info(f"y{k}", TP.FLOAT, [1, 4, 8, 8]))
+    nodes.append(oh.make_node("Conv", ["x", "wc"], ["y3"], name="convC", pads=[1, 1, 1, 1]))
+    inits.append(nph.from_array(_w(11, (8, 3, 3, 3)), "wc"))
+    outs.append(oh.make_tensor_value_info("y3", TP.FLOAT, [1, 8, 8, 8]))
+    return _model(nodes, [oh.make_tensor_value_info("x", TP.FLOAT, [1, 3, 8, 8])], outs, inits)
+
+
+def test_merges_worth_measuring_are_measured_as_one_group_first():
+    m, data = two_branches_into_fp32(), _feeds("x", (1, 3, 8, 8))
+    rep = graphmp.convert(m, None, calibration=data, fp32_nodes="^convB[12]$")
+    d = rep.to_dict()["islands"]
+    first = d["trials"][0]
+    assert first["kind"] == "merge" and first["group"] == "merges" and first["segments"] == 2
+    assert first["decision"].startswith("FP32") and d["runs"] == 2          # paint's plan, then the one group
+    for name in ("convA1", "tanh1", "convA2", "tanh2"):
+        assert rep.fp32_nodes[name].startswith("islands: merged with its FP32 neighbours"), rep.fp32_nodes
+    assert "convC" not in rep.fp32_nodes
+    assert check(m, rep.model, data).passed

@@ -30,7 +30,8 @@ Steps (STEPS), in order:
                move more bytes than its Tensor Core work is worth: FLOPs of its
                Conv/MatMul/Gemm x BYTES_PER_FLOP (a conv on a 3-channel image between
                the FP32 input and an FP32 island), and all merges together give up at
-               most MERGE_FLOPS_SHARE of the model's Conv/MatMul FLOPs;
+               most MERGE_FLOPS_SHARE of the model's Conv/MatMul FLOPs. Those that fit it
+               are also one group (one run where a 720x720 run takes 2 s of the 6);
   4. measure:  candidates saving at least MIN_SHARE of the model's Cast bytes (and
                MIN_TRAFFIC of what its activations move), the --island-trials that save most,
                merges first, each tried on top of those accepted before it: one emulated run
@@ -143,10 +144,12 @@ class Candidate:
     parts: tuple = ()                           # a group: the seeds of each island it frees, in graph order
     group: str = ""                             # a group: its op type
 
-    def halves(self) -> list["Candidate"]:
-        """A rejected group's two halves (graph order): each a group again, or one island."""
+    def halves(self, flops) -> list["Candidate"]:
+        """A rejected group's two halves (graph order): each a group again, or one part.
+        flops: _Plans.flops (a merge's Tensor Core FLOPs)."""
         k = len(self.parts) // 2
-        return [Candidate("drop", frozenset().union(*ps), parts=ps if len(ps) > 1 else (), group=self.group)
+        return [Candidate(self.kind, frozenset().union(*ps), parts=ps if len(ps) > 1 else (), group=self.group,
+                          flops=flops(frozenset().union(*ps)) if self.kind == "merge" else 0.0)
                 for ps in (self.parts[:k], self.parts[k:])]
 
 
@@ -316,6 +319,24 @@ def _unworthy(plans: _Plans, c: Candidate, saved: float, total: float, merged_fl
     return ""
 
 
+def _merge_group(plans: _Plans, merges: list, total: float) -> list[Candidate]:
+    """The merges worth measuring, most bytes first while their FLOPs fit MERGE_FLOPS_SHARE,
+    as one candidate (where there are two or more): one run instead of one per merge, where
+    a run of a 720x720 style-transfer net takes 2 s of the step's 6."""
+    parts, flops = [], 0.0
+    for c in sorted(merges, key=lambda c: -c.saved):
+        if flops + c.flops <= MERGE_FLOPS_SHARE * plans.model_flops:
+            parts.append(c)
+            flops += c.flops
+    if len(parts) < 2:
+        return []
+    parts.sort(key=lambda c: min(n.order for n in c.nodes))
+    g = Candidate("merge", frozenset().union(*(c.nodes for c in parts)), flops=flops,
+                  parts=tuple(c.nodes for c in parts), group="merges")
+    g.saved = total - plans.cast_bytes(frozenset(_plan_of(plans, g)[2]))
+    return [g] if not _unworthy(plans, g, g.saved, total) else []
+
+
 def _chosen(plans: _Plans, total: float, limit: int) -> list[Candidate]:
     """Steps 2-3: the candidates worth measuring, most bytes saved first, at most `limit`,
     each plan once."""
@@ -326,6 +347,7 @@ def _chosen(plans: _Plans, total: float, limit: int) -> list[Candidate]:
         if low not in seen and not _unworthy(plans, c, c.saved, total):
             seen.add(low)
             out.append(c)
+    out += _merge_group(plans, [c for c in out if c.kind == "merge"], total)
     # merges first: each makes more of the model FP32, and the error it takes away may pay
     # for a drop after it (the yardstick is paint's plan, not the plan of the moment)
     return sorted(sorted(out, key=lambda c: -c.saved)[:limit], key=lambda c: c.kind != "merge")
@@ -338,7 +360,7 @@ def _record(c: Candidate, total: float) -> dict:
     if c.kind == "merge":
         r.update(flops=c.flops, flops_worth_bytes=c.flops * BYTES_PER_FLOP)
     if c.parts:
-        r.update(group=c.group, islands=len(c.parts))
+        r.update({"group": c.group, ("islands" if c.kind == "drop" else "segments"): len(c.parts)})
     return r
 
 
@@ -377,11 +399,15 @@ def _try(plans: _Plans, m: _Measure, c: Candidate, state: dict, total: float) ->
                            else "FP32: its Casts cost more than its FP16 work saves")
         rec["error_ratio"] = max((e / state["errors"][k] for k, e in err.items() if state["errors"].get(k)),
                                  default=1.0)
-        for _, mrec in undone:
-            mrec["decision"] = "FP32, then undone: a later drop took the islands it saved Casts against"
+        for mc, mrec in undone:
+            mrec.setdefault("undone", []).extend(sorted(n.name for n in mc.nodes))
+            if len(mrec["undone"]) == mrec["node_count"]:
+                mrec["decision"] = "FP32, then undone: a later drop took the islands it saved Casts against"
         kept = [p for p in state["merges"] if not any(p[0] is u for u, _ in undone)]
+        # a group of merges is kept as its segments: a later drop may undo one of them
+        new = [(Candidate("merge", p, flops=plans.flops(p)), rec) for p in (c.parts or (c.nodes,))]
         state.update(freed=freed, merged=merged, low=low, bytes=after, errors=err,
-                     merges=kept + ([(c, rec)] if c.kind == "merge" else []))
+                     merges=kept + (new if c.kind == "merge" else []))
     else:
         rec["decision"] = ("kept FP32: it buys accuracy" if c.kind == "drop" else "kept FP16: FP32 changes the error") \
             + f" ({worst}: {yard.get(worst, 0.0):.3g} in paint's plan, {err[worst]:.3g} in this one)"
@@ -414,8 +440,8 @@ def _measure_all(ctx, plans: _Plans, m: _Measure, chosen: list, state: dict, tot
     limit, queue, accepted, t_run = trial_limit(ctx), list(chosen), [], m.seconds
     while queue:
         c = queue.pop(0)
-        if c.kind == "drop" and c.nodes <= state["freed"]:
-            continue  # a group accepted before it freed these seeds
+        if c.nodes <= (state["freed"] if c.kind == "drop" else state["merged"]):
+            continue  # a group accepted before it took these nodes
         if m.runs - 1 >= limit:
             rec = dict(_record(c, total), decision=f"not tried: {limit} trials ran (--island-trials N tries N)")
         elif budget is not None and time.perf_counter() - t0 + t_run > budget:
@@ -424,7 +450,7 @@ def _measure_all(ctx, plans: _Plans, m: _Measure, chosen: list, state: dict, tot
         else:
             rec = _try(plans, m, c, state, total)
             if c.parts and rec["decision"].startswith("kept"):
-                queue[:0] = c.halves()
+                queue[:0] = c.halves(plans.flops)
         trials.append(rec)
         ctx.log(f"islands: {c.kind} {rec.get('group') or rec.get('seeds', rec.get('nodes'))[:3]}: {rec['decision']}")
         if rec["decision"].startswith(("FP16:", "FP32:")):
