@@ -21,9 +21,9 @@ Steps (STEPS), in order:
                precision rule (a node's FP32 op class: a reduction, Softmax, Exp, ...; a
                summed square; precision_seed) is a candidate to run in FP16: paint runs again
                with those nodes as elementwise work (paint.repaint). Also each such node
-               alone, where an island has several, and every island of one op type as one
-               group (fifteen InstanceNorms each move too few bytes to be worth a run; together
-               they move most of them). Range, initializer, unknown-op and user rules
+               alone, where an island has several, and all islands with the same seed op
+               types as one group (fifteen InstanceNorms each move too few bytes to be worth
+               a run; together they move most of them). Range, initializer, unknown-op and user rules
                (--fp32-nodes/--fp32-ops; --norm-io fp32 for Softmax and LayerNormalization)
                keep their nodes: never candidates;
   3. merge:    a connected group of FP16 nodes joins its FP32 neighbours when its Casts
@@ -89,8 +89,8 @@ BYTES_PER_FLOP = 3.35e12 * (1 / 494.7e12 - 1 / 989.4e12)
 # price every Tensor Core FLOP below its Casts and go FP32 whole.
 MERGE_FLOPS_SHARE = 0.10
 # Without --island-trials: 8 trials (a refused group of islands is split in halves: finding
-# the one island in sixteen that buys accuracy takes ~8) for a model whose weights are at most 256 MB, none above
-# (the report says so). A trial runs an emulated copy of the model: on a BERT-base (438 MB)
+# the one island in sixteen that buys accuracy takes ~8) for a model whose weights are at
+# most 256 MB, none above (the report says so). A trial runs an emulated copy of the model: on a BERT-base (438 MB)
 # the step took 3 s and raised convert's peak memory from 0.5 to 2.3 GB to find that its
 # LayerNorm islands buy accuracy.
 AUTO_TRIALS = 8
@@ -437,12 +437,12 @@ def _measure_all(ctx, plans: _Plans, m: _Measure, chosen: list, state: dict, tot
     drops and the merges no drop undid, as (candidate, record) pairs; every decision goes
     into `trials`. t0: when the pass began."""
     budget = AUTO_SECONDS if ctx.options.island_trials is None else None
-    limit, queue, accepted, t_run = trial_limit(ctx), list(chosen), [], m.seconds
+    limit, queue, accepted, t_run = trial_limit(ctx), list(chosen), [], m.seconds  # accepted: drops
     while queue:
         c = queue.pop(0)
         if c.nodes <= (state["freed"] if c.kind == "drop" else state["merged"]):
             continue  # a group accepted before it took these nodes
-        if m.runs - 1 >= limit:
+        if m.runs - 1 >= limit:  # the first run measured paint's plan
             rec = dict(_record(c, total), decision=f"not tried: {limit} trials ran (--island-trials N tries N)")
         elif budget is not None and time.perf_counter() - t0 + t_run > budget:
             rec = dict(_record(c, total), decision=f"not tried: the step's {budget:g} s are spent (an emulated "
@@ -453,9 +453,9 @@ def _measure_all(ctx, plans: _Plans, m: _Measure, chosen: list, state: dict, tot
                 queue[:0] = c.halves(plans.flops)
         trials.append(rec)
         ctx.log(f"islands: {c.kind} {rec.get('group') or rec.get('seeds', rec.get('nodes'))[:3]}: {rec['decision']}")
-        if rec["decision"].startswith(("FP16:", "FP32:")):
+        if rec["decision"].startswith("FP16:"):
             accepted.append((c, rec))
-    return [(c, rec) for c, rec in accepted if c.kind == "drop"] + state["merges"]
+    return accepted + state["merges"]
 
 
 def run(ctx) -> PassResult:
