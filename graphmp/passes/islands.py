@@ -90,9 +90,9 @@ BYTES_PER_FLOP = 3.35e12 * (1 / 494.7e12 - 1 / 989.4e12)
 MERGE_FLOPS_SHARE = 0.10
 # Without --island-trials: 8 trials (a refused group of islands is split in halves: finding
 # the one island in sixteen that buys accuracy takes ~8) for a model whose weights are at
-# most 256 MB, none above (the report says so). A trial runs an emulated copy of the model: on a BERT-base (438 MB)
-# the step took 3 s and raised convert's peak memory from 0.5 to 2.3 GB to find that its
-# LayerNorm islands buy accuracy.
+# most 256 MB, none above (the report says so). A trial runs an emulated copy of the model:
+# on a BERT-base (438 MB) the step took 3 s and raised convert's peak memory from 0.5 to
+# 2.3 GB to find that its LayerNorm islands buy accuracy.
 AUTO_TRIALS = 8
 AUTO_MAX_WEIGHT_BYTES = 256 * 2 ** 20
 # ... and only as many as fit in this many seconds (the measured cost of one emulated pass
