@@ -1,6 +1,6 @@
 """Scatter-add gradients with repeated indices: exact and the same on every run.
 
-The gradient of a gather (Gather, GatherND, GatherElements, MaxPool's argmax) adds the output
+The gradient of a gather (Gather, GatherND, GatherElements, MaxPool's argmax, Pad edge) adds the output
 gradient back at the gathered positions; a position gathered many times sums many terms.
 ONNX Runtime's CPU ScatterND(reduction='add') splits the updates over its threads with no
 guard against two updates hitting the same row, so with 2+ intra-op threads those sums came
@@ -146,6 +146,21 @@ def test_max_pool_overlapping_windows_share_maxima():
     wins = np.zeros(x.shape, np.int64)
     np.add.at(wins, (n[..., None, None], c[..., None, None], hh, ww), 1)
     assert wins.max() == 9 and (wins > 1).sum() > 1000  # maxima really shared between windows
+    _check_exact_and_identical(_runs(model, g, {"x": x}), ref)
+
+
+def test_pad_edge_copies_border_many_times():
+    """Edge padding of 1000 on both sides of axis 1: each row's first and last element is
+    copied 1001 times, so its gradient sums 1001 terms (the flat scatter, as MaxPool's)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    r = rng.standard_normal((8, 2016)).astype(np.float32)
+    pads = numpy_helper.from_array(np.array([0, 1000, 0, 1000], np.int64), "pads")
+    nodes = [N("Constant", [], ["pads"], value=pads), N("Pad", ["x", "pads"], ["y"], mode="edge")]
+    model, g = _grad_model(nodes, x, None, r)
+    ref = r[:, 1000:1016].astype(np.float64).copy()
+    ref[:, 0] += r[:, :1000].astype(np.float64).sum(1)
+    ref[:, -1] += r[:, 1016:].astype(np.float64).sum(1)
     _check_exact_and_identical(_runs(model, g, {"x": x}), ref)
 
 
