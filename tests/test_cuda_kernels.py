@@ -68,4 +68,5 @@ def test_version_ranges_decide():
 def test_cuda_kernel_table_doc_is_current():
     doc = os.path.join(os.path.dirname(__file__), "..", "docs", "cuda_kernels.md")
     with open(doc) as f:
-        assert f.read() == ck.render(), "regenerate: python -m graphmp.train.cuda_kernels --table > docs/cuda_kernels.md"
+        current = f.read()
+    assert current == ck.render(), "regenerate: python -m graphmp.train.cuda_kernels --table > docs/cuda_kernels.md"

@@ -209,10 +209,11 @@ def test_embedding_sgd_step_matches_torch_with_repeated_ids(tmp_path):
         names = [o.name for o in runner.sess.get_outputs()]
         outs.append(dict(zip(names, runner.sess.run(None, {**state, "x": ids, "labels": labels}))))
     grad = outs[0][meta["grads"]["emb.weight"]].astype(np.float64)
-    assert np.linalg.norm(grad - g64) / np.linalg.norm(g64) < 1e-5
+    grad_rel = np.linalg.norm(grad - g64) / np.linalg.norm(g64)
     rel = np.linalg.norm(outs[0]["emb.weight" + NEXT] - before - want) / np.linalg.norm(want)
     torch_rel = np.linalg.norm(w32 - before - want) / np.linalg.norm(want)
-    print(f"\nembedding: gradient {np.linalg.norm(grad - g64) / np.linalg.norm(g64):.1e}, update {rel:.1e}, torch FP32 update {torch_rel:.1e}")
+    print(f"\nembedding: gradient {grad_rel:.1e}, update {rel:.1e}, torch FP32 update {torch_rel:.1e}")
+    assert grad_rel < 1e-5
     assert rel <= 2 * torch_rel, f"embedding update {rel:.1e} off (torch FP32: {torch_rel:.1e})"
     for out in outs[1:]:
         assert out["emb.weight" + NEXT].tobytes() == outs[0]["emb.weight" + NEXT].tobytes()
