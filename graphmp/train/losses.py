@@ -13,11 +13,12 @@ Cross-entropy options (config keys, as train.json stores them):
     num_classes      the size of the class axis (None when it is dynamic).
 
 The NLL part is LogSoftmax over the class axis (brought to axis 1 by a Transpose), the label's
-log-probability picked by GatherElements, and a (weighted, masked) mean: ops every ONNX Runtime
-execution provider has kernels for. (SoftmaxCrossEntropyLoss computes the same, but ORT's CUDA
-provider registers it only in training builds: in onnxruntime-gpu the loss node ran on the CPU,
-a copy of the logits and a stream sync every step.) Label smoothing adds a weighted ReduceSum
-of the same log-probabilities over the classes, masked like the NLL.
+log-probability picked by GatherElements (a one-hot mask below opset 16), and a (weighted,
+masked) mean: ops every ONNX Runtime execution provider has kernels for. SoftmaxCrossEntropyLoss
+computes the same, but ORT's CUDA provider registers it only in training builds: under
+onnxruntime-gpu the loss node ran on the CPU, a copy of the logits and a stream sync every step.
+Label smoothing adds a weighted ReduceSum of the same log-probabilities over the classes, masked
+like the NLL.
 """
 from __future__ import annotations
 
@@ -156,8 +157,8 @@ def add_loss(model, b: Builder, cfg: dict, out_dims, label_dims, label_elem) -> 
         scores = b.op("Transpose", [output], perm=perm)
     logp = b.op("LogSoftmax", [scores], axis=1)
     lab, valid, pos_w, denom = _label_weights(b, cfg)
-    picked = b.op("GatherElements", [logp, b.op("Unsqueeze", [lab, b.const([1], np.int64)])], axis=1)
-    per = b.op("Neg", [b.op("Squeeze", [picked, b.const([1], np.int64)])])  # -log p(label), labels' shape
+    picked = _label_log_prob(b, logp, lab, _opset(model), len(cfg["label_shape"]) + 1)
+    per = b.op("Neg", [picked])  # -log p(label), labels' shape
     eps = float(cfg["label_smoothing"])
     nll = LOSS if not eps else b.name("nll")
     if pos_w is None:
@@ -167,6 +168,28 @@ def add_loss(model, b: Builder, cfg: dict, out_dims, label_dims, label_elem) -> 
     if not eps:
         return LOSS
     return _smoothed(b, cfg, logp, nll, valid, denom, eps)
+
+
+def _opset(model) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+def _label_log_prob(b: Builder, logp: str, lab: str, opset: int, rank: int) -> str:
+    """log p of each position's label (the labels' shape), from logp [N, C, d...] of `rank`.
+
+    Opset >= 16: GatherElements along the classes (its gradient scatters one term per
+    position; ScatterElements with reduction, which that gradient rule emits, is opset 16).
+    Below 16 -- the step keeps the model's opset, and the loss's ops are not counted when the
+    build picks it -- a one-hot mask of the labels times logp, summed over the classes: about
+    four more passes over a logits-sized tensor, no scatter, opset 13."""
+    axis1 = b.const([1], np.int64)
+    if opset >= 16:
+        return b.op("Squeeze", [b.op("GatherElements", [logp, b.op("Unsqueeze", [lab, axis1])], axis=1), axis1])
+    classes = b.op("Range", [b.const(0, np.int64), b.op("Gather", [b.op("Shape", [logp]), b.const(1, np.int64)],
+                                                        axis=0), b.const(1, np.int64)])
+    classes = b.op("Reshape", [classes, b.const([1, -1] + [1] * (rank - 2), np.int64)])
+    onehot = b.op("Cast", [b.op("Equal", [b.op("Unsqueeze", [lab, axis1]), classes])], to=TensorProto.FLOAT)
+    return b.op("ReduceSum", [b.op("Mul", [logp, onehot]), axis1], keepdims=0)
 
 
 def _label_weights(b: Builder, cfg) -> tuple[str, str | None, str | None, str]:
