@@ -166,6 +166,11 @@ def add_train(sub):
                    "when available, else the CPU, and says so. cpu: the CPU")
     t.add_argument("--skip-bad-samples", action="store_true",
                    help="drop samples holding NaN/inf (train and eval data) and say how many, instead of failing")
+    t.add_argument("--threads", type=int, metavar="N",
+                   help="CPU threads ONNX Runtime uses inside each step's ops (intra-op threads, as "
+                   "torch.set_num_threads). Default (or 0): ONNX Runtime's choice, one per physical core. Give "
+                   "fewer when other jobs share the cores: ONNX Runtime's idle threads spin, so two runs that "
+                   "each take every core slow each other down. With --nproc each rank takes cores / N instead")
     _add_data_parallel(t)
     add_quiet(t, "no progress line")
 
@@ -210,7 +215,8 @@ STEP_FLAGS = ("loss", "label_shape", "optimizer", "lr", "momentum", "betas", "ep
               "loss_scale", "init_scale", "growth_interval", "backoff", "growth", "min_scale", "max_scale",
               "precision", "trainable", "calibration", "shapes", "class_axis", "ignore_index", "label_smoothing",
               "class_weights", "lr_schedule", "warmup_steps", "total_steps", "grad_accum", "force")
-TRAIN_FLAGS = ("epochs", "batch_size", "checkpoint_every", "device", "seed", "max_steps", "skip_bad_samples")
+TRAIN_FLAGS = ("epochs", "batch_size", "checkpoint_every", "device", "seed", "max_steps", "skip_bad_samples",
+               "threads")
 
 
 def step_config(args):
@@ -279,6 +285,9 @@ def run_train_parallel(args) -> int:
     import shlex
     from ..errors import GraphmpError
     from ..train.distributed import DistOptions, launch, train_ranks, under_torchrun
+    if args.threads is not None:  # the ranks split the cores themselves (distributed.py)
+        raise GraphmpError("--threads is for one process; with --nproc each rank takes cores / N threads "
+                           "(leave --threads out)")
     if not under_torchrun():
         if args.nproc is None or args.nproc < 1:
             raise GraphmpError(f"--nproc must be at least 1, not {args.nproc}")

@@ -15,6 +15,7 @@
     loop.py       train() / export(): run the step graph on ONNX Runtime, checkpoints, eval, summary
     data.py       training/eval data: .npz or batch iterables, batching, label and NaN/inf checks before use
     device.py     which ONNX Runtime providers a run asks for, and a check that it got them
+    cuda_kernels.py  ORT CUDA kernel table for the step graphs' ops; nodes_without_kernel() (docs/cuda_kernels.md)
     plot.py       write_loss_png(): run/loss.png with matplotlib; without it run/loss.csv and a hint
     runfiles.py   a run folder's files: names from its JSON checked, corrupt files and write errors as one line
     evaluator.py  the inference graph with the current weights; eval loss/accuracy

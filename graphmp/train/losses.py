@@ -12,9 +12,13 @@ Cross-entropy options (config keys, as train.json stores them):
                      sum_i w[y_i] * nll_i / sum_i w[y_i].
     num_classes      the size of the class axis (None when it is dynamic).
 
-The NLL part is one SoftmaxCrossEntropyLoss node (after a Transpose that brings the class
-axis to 1), which ONNX Runtime runs fused and graphmp's autodiff differentiates; label
-smoothing adds LogSoftmax -> weighted ReduceSum over the classes, masked like the NLL.
+The NLL part is LogSoftmax over the class axis (brought to axis 1 by a Transpose), the label's
+log-probability picked by GatherElements (a one-hot mask below opset 16), and a (weighted,
+masked) mean: ops every ONNX Runtime execution provider has kernels for. SoftmaxCrossEntropyLoss
+computes the same, but ORT's CUDA provider registers it only in training builds: under
+onnxruntime-gpu the loss node ran on the CPU, a copy of the logits and a stream sync every step.
+Label smoothing adds a weighted ReduceSum of the same log-probabilities over the classes, masked
+like the NLL.
 """
 from __future__ import annotations
 
@@ -148,48 +152,80 @@ def add_loss(model, b: Builder, cfg: dict, out_dims, label_dims, label_elem) -> 
     rank = None if out_dims is None else len(out_dims)
     a = class_axis(cfg, rank, cfg["output"])
     scores = output
-    if a != 1:  # SoftmaxCrossEntropyLoss takes the classes on axis 1
+    if a != 1:  # the classes on axis 1, as LogSoftmax(axis=1) and the label gather below take them
         perm = [0, a] + [i for i in range(1, rank) if i != a]
         scores = b.op("Transpose", [output], perm=perm)
-    weights = None if cfg["class_weights"] is None else b.const(cfg["class_weights"])
-    ignore = cfg["ignore_index"]
-    kw = {} if ignore is None else {"ignore_index": int(ignore)}
+    logp = b.op("LogSoftmax", [scores], axis=1)
+    lab, valid, pos_w, denom = _label_weights(b, cfg)
+    picked = _label_log_prob(b, logp, lab, _opset(model), len(cfg["label_shape"]) + 1)
+    per = b.op("Neg", [picked])  # -log p(label), labels' shape
     eps = float(cfg["label_smoothing"])
     nll = LOSS if not eps else b.name("nll")
-    b.g.node.append(helper.make_node("SoftmaxCrossEntropyLoss", [scores, label_name] + ([weights] if weights else []),
-                                     [nll], name=b.name("SoftmaxCrossEntropyLoss"), reduction="mean", **kw))
+    if pos_w is None:
+        b.op("ReduceMean", [per], out=nll, keepdims=0)
+    else:
+        b.op("Div", [b.op("ReduceSum", [b.op("Mul", [per, pos_w])], keepdims=0), denom], out=nll)
     if not eps:
         return LOSS
-    return _smoothed(b, cfg, scores, nll, weights, eps)
+    return _smoothed(b, cfg, logp, nll, valid, denom, eps)
 
 
-def _smoothed(b: Builder, cfg, scores, nll, weights, eps) -> str:
-    """(1 - eps) * nll + eps / C * mean_i sum_c -w_c log p_ic (torch's label smoothing; ignored
-    positions left out, the mean normalised as the NLL's: by sum of w[y_i], or by the count)."""
+def _opset(model) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+
+
+def _label_log_prob(b: Builder, logp: str, lab: str, opset: int, rank: int) -> str:
+    """log p of each position's label (the labels' shape), from logp [N, C, d...] of `rank`.
+
+    Opset >= 16: GatherElements along the classes (its gradient scatters one term per
+    position; ScatterElements with reduction, which that gradient rule emits, is opset 16).
+    Below 16 -- the step keeps the model's opset, and the loss's ops are not counted when the
+    build picks it -- a one-hot mask of the labels times logp, summed over the classes: about
+    four more passes over a logits-sized tensor, no scatter, opset 13."""
+    axis1 = b.const([1], np.int64)
+    if opset >= 16:
+        return b.op("Squeeze", [b.op("GatherElements", [logp, b.op("Unsqueeze", [lab, axis1])], axis=1), axis1])
+    classes = b.op("Range", [b.const(0, np.int64), b.op("Gather", [b.op("Shape", [logp]), b.const(1, np.int64)],
+                                                        axis=0), b.const(1, np.int64)])
+    classes = b.op("Reshape", [classes, b.const([1, -1] + [1] * (rank - 2), np.int64)])
+    onehot = b.op("Cast", [b.op("Equal", [b.op("Unsqueeze", [lab, axis1]), classes])], to=TensorProto.FLOAT)
+    return b.op("ReduceSum", [b.op("Mul", [logp, onehot]), axis1], keepdims=0)
+
+
+def _label_weights(b: Builder, cfg) -> tuple[str, str | None, str | None, str]:
+    """(labels with ignored positions set to class 0, the FP32 mask of kept positions or None
+    without ignore_index, each position's FP32 weight or None when all are 1, the mean's FP32
+    denominator): the weight is w[y_i] (class weights) times the mask; the denominator their
+    sum, or the count of the positions kept (torch's mean)."""
     label_name, ignore = cfg["label_name"], cfg["ignore_index"]
-    logp = b.op("LogSoftmax", [scores], axis=1)
-    if weights is not None:
+    lab, valid = label_name, None
+    if ignore is not None:
+        keep = b.op("Not", [b.op("Equal", [label_name, b.const(int(ignore), np.int64)])])
+        lab = b.op("Where", [keep, label_name, b.const(0, np.int64)])
+        valid = b.op("Cast", [keep], to=TensorProto.FLOAT)
+    pos_w = valid
+    if cfg["class_weights"] is not None:
+        pos_w = b.op("Gather", [b.const(cfg["class_weights"]), lab], axis=0)
+        if valid is not None:
+            pos_w = b.op("Mul", [pos_w, valid])
+    if pos_w is None:
+        return lab, None, None, b.op("Cast", [b.op("Size", [label_name])], to=TensorProto.FLOAT)
+    return lab, valid, pos_w, b.op("ReduceSum", [pos_w], keepdims=0)
+
+
+def _smoothed(b: Builder, cfg, logp, nll, valid, denom, eps) -> str:
+    """(1 - eps) * nll + eps / C * sum_i k_i sum_c -w_c log p_ic / denom (torch's label
+    smoothing: k_i 0 at ignored positions, w_c the class weights or 1; the same denominator
+    as the NLL's mean: the sum of w[y_i] over kept positions, or their count)."""
+    if cfg["class_weights"] is not None:
         rank = len(cfg["label_shape"]) + 1
         wb = b.const(np.array(cfg["class_weights"], np.float32).reshape([1, -1] + [1] * (rank - 2)))
         logp = b.op("Mul", [logp, wb])
     per = b.op("Neg", [b.op("ReduceSum", [logp, b.const([1], np.int64)], keepdims=0)])  # labels' shape
-    lab = label_name
-    valid = None
-    if ignore is not None:
-        valid = b.op("Not", [b.op("Equal", [label_name, b.const(int(ignore), np.int64)])])
-        lab = b.op("Where", [valid, label_name, b.const(0, np.int64)])
-        per = b.op("Mul", [per, b.op("Cast", [valid], to=TensorProto.FLOAT)])
-    if weights is not None:
-        wy = b.op("Gather", [weights, lab], axis=0)
-        if valid is not None:
-            wy = b.op("Mul", [wy, b.op("Cast", [valid], to=TensorProto.FLOAT)])
-        denom = b.op("ReduceSum", [wy], keepdims=0)
-    elif valid is not None:
-        denom = b.op("ReduceSum", [b.op("Cast", [valid], to=TensorProto.FLOAT)], keepdims=0)
-    else:
-        denom = b.op("Cast", [b.op("Size", [label_name])], to=TensorProto.FLOAT)
+    if valid is not None:
+        per = b.op("Mul", [per, valid])
     smooth = b.op("Div", [b.op("ReduceSum", [per], keepdims=0), denom])
-    classes = b.op("Cast", [b.op("Gather", [b.op("Shape", [scores]), b.const(1, np.int64)], axis=0)],
+    classes = b.op("Cast", [b.op("Gather", [b.op("Shape", [logp]), b.const(1, np.int64)], axis=0)],
                    to=TensorProto.FLOAT)
     coef = b.op("Div", [b.const(eps), classes])
     return b.op("Add", [b.op("Mul", [nll, b.const(1.0 - eps)]), b.op("Mul", [smooth, coef])], out=LOSS)

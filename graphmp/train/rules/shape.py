@@ -6,7 +6,7 @@ from onnx import TensorProto, helper
 
 from ...errors import GraphmpError
 from ..emitter import attr, rule
-from .common import _acc_type, _flat_scatter, _inputs
+from .common import _acc_type, _flat_scatter, _inputs, _row_scatter_add
 
 
 # --- data movement -------------------------------------------------------------------------------
@@ -65,26 +65,14 @@ def slice_(em, node, g):
 
 @rule("Gather", opset=16)
 def gather(em, node, g):
-    """Y = take(X, idx, axis): dX = zeros with dY rows added at idx (ScatterND, reduction add;
-    repeated indices accumulate), axis moved to the front and back."""
+    """Y = take(X, idx, axis): dX = zeros with the dY rows added at idx along axis (repeated
+    indices accumulate; exact and run-to-run identical on ORT CPU: see _row_scatter_add)."""
     x, ind = node.input
     if em.opset < 16:
-        raise GraphmpError(f"node '{node.name}' (Gather): its gradient needs ScatterND with "
+        raise GraphmpError(f"node '{node.name}' (Gather): its gradient needs ScatterElements with "
                            f"reduction='add' (opset >= 16); the model has opset {em.opset}")
-    r, q = em.rank(x), em.rank(ind)
-    axis = attr(node, "axis", 0) % r
-    front = [axis] + [i for i in range(r) if i != axis]
-    gperm = list(range(axis, axis + q)) + list(range(axis)) + list(range(axis + q, r - 1 + q))
-    idx = em.cast(ind, TensorProto.INT64, em.dtype(ind))
-    size = em.op("Reshape", [em.dim(x, axis), em.ints([])])
-    idx = em.op("Where", [em.op("Less", [idx, em.const(0, TensorProto.INT64)]), em.op("Add", [idx, size]), idx])
-    dt = em.dtype(x)
-    acc = _acc_type(dt)
-    zeros = em.op("ConstantOfShape", [em.op("Gather", [em.shape_tensor(x), em.ints(front)], axis=0)],
-                  value=helper.make_tensor("zero", acc, [1], [0]))
-    scat = em.op("ScatterND", [zeros, em.unsqueeze(idx, [-1]), em.transpose(em.cast(g[0], acc, dt), gperm)],
-                 reduction="add")
-    return [em.cast(em.transpose(scat, list(np.argsort(front))), dt, acc), None]
+    axis = attr(node, "axis", 0) % em.rank(x)
+    return [_row_scatter_add(em, x, _positive_indices(em, ind, x, axis), g[0], axis, axis + 1), None]
 
 
 @rule("Pad", opset=16)
@@ -216,20 +204,24 @@ def topk(em, node, g):
 @rule("GatherND", opset=16)
 def gather_nd(em, node, g):
     """Y = X gathered at index tuples (batch_dims=0): dX = zeros with dY added at the tuples
-    (ScatterND, reduction add: repeated tuples accumulate; FP32 accumulation)."""
+    (repeated tuples accumulate; FP32 accumulation). A tuple (i0..ik-1) into X's first k axes
+    is the row i0*d1*..*dk-1 + .. + ik-1 of X seen as [d0*..*dk-1, rest], so the scatter is
+    _row_scatter_add's (exact and run-to-run identical on ORT CPU)."""
     x, ind = node.input
     if attr(node, "batch_dims", 0):
         raise GraphmpError(f"node '{node.name}' (GatherND): batch_dims > 0 is not differentiated")
     if em.opset < 16:
-        raise GraphmpError(f"node '{node.name}' (GatherND): its gradient needs ScatterND with "
+        raise GraphmpError(f"node '{node.name}' (GatherND): its gradient needs ScatterElements with "
                            f"reduction='add' (opset >= 16); the model has opset {em.opset}")
     idims = em.dims(ind)
     if not idims or not isinstance(idims[-1], int):
         raise GraphmpError(f"node '{node.name}' (GatherND): the last axis of the indices '{ind}' must be static")
+    k = idims[-1]
     idx = em.cast(ind, TensorProto.INT64, em.dtype(ind))
-    head = em.op("Slice", [em.shape_tensor(x), em.ints([0]), em.ints([idims[-1]])])
+    head = em.op("Slice", [em.shape_tensor(x), em.ints([0]), em.ints([k])])
     idx = em.op("Where", [em.op("Less", [idx, em.const(0, TensorProto.INT64)]), em.op("Add", [idx, head]), idx])
-    dt = em.dtype(x)
-    acc = _acc_type(dt)
-    zeros = em.op("ConstantOfShape", [em.shape(x)], value=helper.make_tensor("zero", acc, [1], [0]))
-    return [em.cast(em.op("ScatterND", [zeros, idx, em.cast(g[0], acc, dt)], reduction="add"), dt, acc), None]
+    parts = [em.op("Gather", [idx, em.const(j, TensorProto.INT64)], axis=-1) for j in range(k)]
+    rows = parts[0]
+    for axis in range(1, k):  # Horner: ((i0 * d1 + i1) * d2 + i2) ...
+        rows = em.op("Add", [em.op("Mul", [rows, em.dim(x, axis)]), parts[axis]])
+    return [_row_scatter_add(em, x, rows, g[0], 0, k), None]
