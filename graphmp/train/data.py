@@ -9,8 +9,8 @@
   keys existed still work.
 - check_labels(): every label is a class index in [0, num_classes) or the ignore index;
   otherwise one GraphmpError naming the data, the array, the bad value and its position.
-  Without the check, label -1 trains silently as the last class (ONNX Runtime's
-  SoftmaxCrossEntropyLoss wraps negative indices) and label >= classes is a raw runtime error.
+  Without the check, label -1 trains silently as the last class (the loss's GatherElements
+  wraps negative indices) and label >= classes is a raw runtime error.
 - nonfinite_samples(): which samples hold NaN/inf in a float array, so that bad input data
   is reported as such (not as "inf/NaN gradients" many steps later) or dropped on request.
 - whole_arrays(): inputs without a batch axis -- scalars, an RNN's initial state [layers,

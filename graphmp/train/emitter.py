@@ -301,8 +301,7 @@ class Rule:
 RULES: dict[str, Rule] = {}
 
 #: ops whose gradient rule emits ops of a newer opset than 13 (train-graph upgrades to it):
-#: ScatterElements / ScatterND with reduction='add' (MaxPool, Gather, GatherElements,
-#: GatherND, Pad)
+#: ScatterElements with reduction='add' (MaxPool, Gather, GatherElements, GatherND, Pad)
 NEEDS_OPSET: dict[str, int] = {}
 
 #: ops whose float outputs have zero derivative (or no derivative): never on a gradient path
