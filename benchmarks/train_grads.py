@@ -11,8 +11,8 @@ machine); every form's result is compared with the first form's (max abs diff / 
        channels_first, per_sample, per_tap (conv_gemm.py), auto (what the rule picks)
   dX   pad_slice (ConvTranspose without pads, then Pad + Slice to X) vs pads (ConvTranspose
        with the conv's pads and output_padding)
-  dB   of A [8, 128, 256] @ B [256, 1024]: partials (batched MatMul + ReduceSum over the batch)
-       vs flat (one Gemm over the flattened batch)
+  dB   of A [8, 128, 256] @ B [256, 1024], and dA of A [256, 512] @ B [8, 512, 128]: partials
+       (batched MatMul + ReduceSum over the batch) vs flat (one Gemm over the flattened batch)
 
 --steps DIR[,DIR...]: graphmp run folders (train-graph outputs) whose StepRunner.step is timed
 interleaved, each step from the run's initial state (reset untimed before every step:
@@ -124,6 +124,7 @@ def dx_models(cin, cout, k, s, p, h, group):
 
 
 def matmul_models(n=8, t=128, k=256, m=1024):
+    """dB [K, M] of A [n, t, K] @ B [K, M] (a Linear weight over a batch of sequences)."""
     a_shape, y_shape = [n, t, k], [n, t, m]
 
     def partials(em):
@@ -133,6 +134,20 @@ def matmul_models(n=8, t=128, k=256, m=1024):
                             [k, m])}
     rng = np.random.default_rng(3)
     feeds = {"A": rng.standard_normal(a_shape).astype(np.float32), "dY": rng.standard_normal(y_shape).astype(np.float32)}
+    return models, feeds, 2.0 * n * t * k * m
+
+
+def matmul_lhs_models(n=8, t=256, k=512, m=128):
+    """dA [t, K] of A [t, K] @ B [n, K, m] (a 2-D left operand broadcast over B's batch)."""
+    b_shape, y_shape = [n, k, m], [n, t, m]
+
+    def partials(em):
+        return em.reduce("ReduceSum", em.op("MatMul", ["dY", em.transpose("B", [0, 2, 1])]), [0], keepdims=0)
+    models = {"partials": _emit({"B": b_shape, "dY": y_shape}, partials, [t, k]),
+              "flat": _emit({"B": b_shape, "dY": y_shape}, lambda em: linalg._flat_lhs_grad(em, "dY", "B", 3, [t, k]),
+                            [t, k])}
+    rng = np.random.default_rng(4)
+    feeds = {"B": rng.standard_normal(b_shape).astype(np.float32), "dY": rng.standard_normal(y_shape).astype(np.float32)}
     return models, feeds, 2.0 * n * t * k * m
 
 
@@ -223,7 +238,9 @@ def main():
             print(part, name, json.dumps(res[part][name]), flush=True)
     if "matmul" in parts:
         res["matmul_dB"] = time_forms(*matmul_models(), a.rounds, a.threads)
-        print("matmul dB [8,128,256]@[256,1024]", json.dumps(res["matmul_dB"]), flush=True)
+        print("matmul dB of [8,128,256]@[256,1024]", json.dumps(res["matmul_dB"]), flush=True)
+        res["matmul_dA"] = time_forms(*matmul_lhs_models(), a.rounds, a.threads)
+        print("matmul dA of [256,512]@[8,512,128]", json.dumps(res["matmul_dA"]), flush=True)
     if a.steps:
         res["steps"] = step_timer(a.steps.split(","), a.rounds, a.threads)
         print("steps", json.dumps(res["steps"]), flush=True)
