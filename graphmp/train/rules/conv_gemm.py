@@ -158,32 +158,33 @@ def weight_grad_form(s: dict) -> str:
     3. else channels_first.
 
     Derived from ORT CPU (1.32, 1 thread, FP32), batch 4, ResNet-50 layers at a 112x112
-    input; ms, the faster of two runs' minimum over 11 / 25 interleaved runs
-    (benchmarks/train_grads.py --only dw; medians on the shared 2-core machine were 2-10x
-    noisier), conv = the convolution form (filter = the whole output map):
+    input: ms, the least of three runs' minimum over 11 / 25 / 21 interleaved runs
+    (benchmarks/train_grads.py --only dw; medians on the shared 2-core machine were up to
+    10x noisier); conv = the convolution form (its filter is the whole output map):
 
         layer                  conv   channels_first  per_sample  per_tap   picked
-        stem 7x7/2 3->64       2.46   5.08            3.82        13.55     per_sample
-        1x1 64->256 @28        3.23   0.69            0.56        0.67      per_sample
-        3x3 64 @28             3.94   2.25            2.25        1.67      per_tap
-        3x3/2 128 @28          3.49   2.49            2.73        2.26      per_tap
-        1x1/2 256->512 @28     33.95  1.37            1.47        1.40      channels_first
-        3x3 256 @7             2.99   1.70            8.65        1.70      per_tap
-        1x1 512->2048 @4       4.31   0.91            3.64        1.06      channels_first
-        1x1 2048->512 @4       3.90   1.11            6.66        1.12      channels_first
-        3x3 g32 256 @14        2.25   1.69            1.76        -         per_sample
-        3x3 depthwise 128 @28  15.97  2.31            2.30        -         per_sample
-        3x3/2 depthwise 256@14 0.66   0.89            0.86        -         per_sample
+        stem 7x7/2 3->64       2.34   3.48            3.38        8.46      per_sample
+        1x1 64->256 @28        2.99   0.54            0.46        0.53      per_sample
+        3x3 64 @28             3.55   2.02            2.00        1.55      per_tap
+        3x3/2 128 @28          3.36   2.25            2.55        2.10      per_tap
+        1x1/2 256->512 @28     15.92  1.25            1.34        1.25      channels_first
+        3x3 256 @7             2.89   1.52            3.54        1.68      per_tap
+        1x1 512->2048 @4       3.26   0.81            3.29        0.90      channels_first
+        1x1 2048->512 @4       3.90   0.94            3.37        0.95      channels_first
+        3x3 g32 256 @14        2.18   1.47            1.62        -         per_sample
+        3x3 depthwise 128 @28  3.49   2.31            2.23        -         per_sample
+        3x3/2 depthwise 256@14 0.62   0.73            0.77        -         per_sample
 
     Per-sample partials pay off only where they are small next to the activations (early,
-    wide layers), per-tap GEMMs beat the column matrix once Cin is not tiny (the stem's 49
-    GEMMs with 3 columns each are the worst form there). The convolution form is never
-    picked: on the CPU it wins only the stem (by ~1.4 ms of a ~2.5 s ResNet-50 step) and a
-    small strided depthwise conv (by 0.2 ms), while on a GPU a convolution whose filter is
-    the whole output map is the slow case this module exists to avoid (for the stem at
-    batch 32 its reduction is 32x112x112 long). Grouped and depthwise convs use the same
-    GEMMs batched over the groups (depthwise: per group a [1, N*P] x [N*P, taps] product),
-    7x faster than the convolution form at 28x28 and at most 1.3x slower elsewhere."""
+    wide layers); per-tap GEMMs beat the column matrix once Cin is not tiny (the stem's 49
+    GEMMs with 3 columns each are the worst form there; on a 7x7 map they lose 10% to it).
+    The convolution form is never picked: on the CPU it wins only the stem (by ~1 ms of a
+    ~2 s ResNet-50 step) and a small strided depthwise conv (by 0.15 ms), while on a GPU a
+    convolution whose filter is the whole output map is the slow case this module exists to
+    avoid (for the stem at batch 32 its reduction is 32x112x112 long). Grouped and
+    depthwise convs use the same GEMMs batched over the groups (depthwise: per group a
+    [1, N*P] x [N*P, taps] product): 1.6x faster than the convolution form at 28x28,
+    1.2x slower at 14x14 stride 2."""
     if s["taps"] > 1 and s["group"] == 1 and s["cin"] >= 16:
         return "per_tap"
     read = int(np.prod(s["in_spatial"])) if s["taps"] > 1 or any(s["pads"]) else s["positions"]

@@ -110,8 +110,10 @@ def _weight_shape(em, node, w):
 
 @rule("Conv")
 def conv(em, node, g):
-    """Y = conv(X, W) + B: dX = ConvTranspose(dY, W) cropped to X, dW = Conv of X (batch as
-    channels) with dY as filters, dB = sum of dY over N and spatial axes."""
+    """Y = conv(X, W) + B: dX = ConvTranspose(dY, W) with the conv's pads (and output_padding)
+    so it is X's shape, dW = GEMMs of dY with X's strided tap windows (conv_gemm.py; a Conv
+    of X, batch as channels, with dY as filters where spatial sizes are symbolic), dB = sum
+    of dY over N and spatial axes."""
     x, w, b = _inputs(node, 3)
     wshape = _weight_shape(em, node, w)
     kernel = list(attr(node, "kernel_shape", wshape[2:]))
@@ -158,7 +160,8 @@ def _transpose_pads(em: Emitter, node, x: str, kernel, strides, dil) -> list:
 @rule("ConvTranspose")
 def conv_transpose(em, node, g):
     """Y = convT(X, W) + B: dX = Conv(dY, W) (same strides, pads, dilations, group),
-    dW = Conv of dY (batch as channels) with X as filters, dB = sum of dY."""
+    dW = Conv's weight gradient with dY as the input and X as the output gradient (GEMMs of
+    X with dY's tap windows, conv_gemm.py), dB = sum of dY."""
     x, w, b = _inputs(node, 3)
     wshape = _weight_shape(em, node, w)
     kernel = list(attr(node, "kernel_shape", wshape[2:]))
@@ -203,7 +206,8 @@ def max_pool(em, node, g):
 @rule("AveragePool")
 def average_pool(em, node, g):
     """Y = window mean: dX = ConvTranspose of dY / count with a ones kernel per channel
-    (group = C), cropped to X; count = window size, or the real elements without pads."""
+    (group = C), shaped to X as Conv's dX is; count = window size, or the real elements
+    without pads."""
     x = node.input[0]
     kernel = list(attr(node, "kernel_shape"))
     strides, dil, pads = _spatial_attrs(em, node, x, kernel)
