@@ -173,6 +173,20 @@ def time_forms(models: dict, feeds: dict, flops: float, rounds: int, threads: in
     return out
 
 
+def _random_batch(sess, state: dict) -> dict:
+    """A fixed random batch for the session's non-state inputs (a symbolic dim is 4): floats
+    N(0, 1), integers (labels) in {0, 1}, valid for any classifier."""
+    rng = np.random.default_rng(0)
+    batch = {}
+    for i in sess.get_inputs():
+        if i.name in state:
+            continue
+        shape = [v if isinstance(v, int) else 4 for v in i.shape]
+        batch[i.name] = (rng.standard_normal(shape).astype(np.float32) if "float" in i.type
+                         else rng.integers(0, 2, shape))
+    return batch
+
+
 def step_timer(run_dirs: list[str], rounds: int, threads: int) -> dict:
     """StepRunner.step of each run folder, interleaved, each step from the initial state."""
     import onnxruntime as ort
@@ -192,12 +206,7 @@ def step_timer(run_dirs: list[str], rounds: int, threads: int) -> dict:
             meta = load_run(d)
             state, _ = latest_state(d)
             runners[d] = (StepRunner(d, meta, state, providers=["CPUExecutionProvider"], threads=threads), dict(state))
-            sess = runners[d][0].sess
-            rng = np.random.default_rng(0)
-            batches[d] = {i.name: (rng.standard_normal([v if isinstance(v, int) else 4 for v in i.shape])
-                                   .astype(np.float32) if "float" in i.type else
-                                   rng.integers(0, 10, [v if isinstance(v, int) else 4 for v in i.shape]))
-                          for i in sess.get_inputs() if i.name not in state}
+            batches[d] = _random_batch(runners[d][0].sess, state)
     finally:
         ort.SessionOptions = orig
     times = {d: [] for d in run_dirs}

@@ -348,6 +348,7 @@ CASES = [
           ("depthwise-mult2", (2, 2, 5, 5), (4, 1, 3, 3), False, dict(group=2, pads=[1, 1, 1, 1])),
           ("1d-dil-stride3", (2, 2, 11), (3, 2, 2), False, dict(strides=[3], dilations=[2], pads=[0, 2])),
           ("3d", (1, 2, 4, 5, 4), (3, 2, 2, 3, 2), True, dict(strides=[1, 2, 1], pads=[1, 0, 0, 0, 1, 1])),
+          ("stride4-outpad3", (1, 2, 10, 9), (3, 2, 3, 3), False, dict(strides=[4, 4])),  # dX output_padding 3, 2
       ]],
     *[Case(f"ConvTranspose-{k}", [N("ConvTranspose", ["x", "w", "b"], ["y"], **at)],
            {"x": _r("tx" + k, *xs), "w": _r("tw" + k, *ws), "b": _r("tb" + k, ws[1] * at.get("group", 1))},
