@@ -7,6 +7,7 @@ registry of graphmp/train/emitter.py (re-exported here as RULES, ZERO_GRAD, NEED
     elementwise.py  arithmetic, activations, trigonometry, Cast, Dropout; the zero-derivative ops
     linalg.py       MatMul, Gemm, Einsum
     nn.py           Conv, ConvTranspose, pooling, Softmax, Batch/Layer/Instance/Group/RMS normalisation
+    conv_gemm.py    the convolution weight gradient as GEMMs (helpers of nn.py, no rules)
     loss.py         SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss
     reduce.py       Reduce* (ReduceMax/Min split ties evenly), CumSum
     shape.py        Reshape, Flatten, (Un)Squeeze, Expand, Transpose, Concat, Split, Slice, Gather*,

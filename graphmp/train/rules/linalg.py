@@ -11,7 +11,8 @@ from .common import _cat, _inputs, _swap_last2
 @rule("MatMul")
 def matmul(em, node, g):
     """Y = A @ B (numpy batching, 1-D operands promoted): dA = dY @ B^T, dB = A^T @ dY,
-    summed over broadcast batch axes."""
+    summed over broadcast batch axes; a 2-D operand (a weight) of a batched product gets its
+    gradient as one Gemm over the flattened batch instead of per-batch partials + ReduceSum."""
     a, b = node.input
     gy = g[0]
     ra, rb = em.rank(a), em.rank(b)
@@ -37,12 +38,39 @@ def matmul(em, node, g):
                                 _cat(yd[:-1] if yd else None, [bd[0]]))
     else:
         if em.needs(a):
-            ga = em.unbroadcast(em.op("MatMul", [gy, _swap_last2(em, b, rb)]), a,
-                                _cat(yd[:-1] if yd else None, [ad[-1]]))
+            ga = (_flat_lhs_grad(em, gy, b, rb, ad) if ra == 2 < rb and _static(ad) else
+                  em.unbroadcast(em.op("MatMul", [gy, _swap_last2(em, b, rb)]), a,
+                                 _cat(yd[:-1] if yd else None, [ad[-1]])))
         if em.needs(b):
-            gb = em.unbroadcast(em.op("MatMul", [_swap_last2(em, a, ra), gy]), b,
-                                _cat(yd[:-2] if yd else None, [ad[-1], yd[-1] if yd else None]))
+            gb = (_flat_rhs_grad(em, a, gy, bd) if rb == 2 < ra and _static(bd) else
+                  em.unbroadcast(em.op("MatMul", [_swap_last2(em, a, ra), gy]), b,
+                                 _cat(yd[:-2] if yd else None, [ad[-1], yd[-1] if yd else None])))
     return [ga, gb]
+
+
+def _static(dims) -> bool:
+    return dims is not None and all(isinstance(v, int) for v in dims)
+
+
+def _flat_rhs_grad(em, a: str, gy: str, b_dims: list[int]) -> str:
+    """dB [K, M] of A [..., T, K] @ B [K, M] (B 2-D, A batched) as one GEMM whose reduction
+    runs over the batch and T together: A and dY viewed as [-1, K] and [-1, M],
+    dB = Gemm(A', dY', transA=1). No per-batch partials [..., K, M] summed afterwards (so no
+    FP16 partials in mixed precision: the GEMM accumulates as its kernel does)."""
+    k, m = b_dims
+    return em.op("Gemm", [em.op("Reshape", [a, em.ints([-1, k])]), em.op("Reshape", [gy, em.ints([-1, m])])],
+                 transA=1)
+
+
+def _flat_lhs_grad(em, gy: str, b: str, rank: int, a_dims: list[int]) -> str:
+    """dA [T, K] of A [T, K] @ B [..., K, M] (A 2-D, B batched, rank > 2) as one GEMM over
+    the batch and M together: dY [..., T, M] with T moved first as [T, -1], B with K moved
+    first as [K, -1], dA = Gemm(dY', B', transB=1) (no per-batch partials)."""
+    t, k = a_dims
+    lead = list(range(rank - 2))
+    gy2 = em.op("Reshape", [em.transpose(gy, [rank - 2] + lead + [rank - 1]), em.ints([t, -1])])
+    b2 = em.op("Reshape", [em.transpose(b, [rank - 2] + lead + [rank - 1]), em.ints([k, -1])])
+    return em.op("Gemm", [gy2, b2], transB=1)
 
 
 @rule("Gemm")

@@ -7,6 +7,7 @@ from onnx import TensorProto, helper
 from ...errors import GraphmpError
 from ..emitter import Emitter, attr, rule
 from .common import _count_ratio, _flat_scatter, _inputs, _is_extreme
+from .conv_gemm import WEIGHT_GRAD_FORMS, conv_shapes, weight_grad_form
 
 
 # --- convolution and pooling ------------------------------------------------------------------
@@ -38,10 +39,21 @@ def _spatial_attrs(em: Emitter, node, x: str, kernel: list[int]):
     return strides, dil, begins + ends
 
 
-def _conv_input_grad(em: Emitter, gy: str, w: str, x: str, strides, dil, pads, group) -> str:
-    """Adjoint of Conv(X, W) w.r.t. X: ConvTranspose of dY with W (no pads, so every
-    position is produced), zero-extended and cropped to X's window [pad_begin, +size)."""
+def _conv_input_grad(em: Emitter, gy: str, w: str, x: str, kernel, strides, dil, pads, group) -> str:
+    """Adjoint of Conv(X, W) w.r.t. X, shaped like X.
+
+    With X's spatial lengths static: one ConvTranspose of dY with W carrying the conv's own
+    pads and output_padding = (in + pads - dil * (k - 1) - 1) mod stride, the rows of X that
+    no window reached (they get zeros), so its output is X's shape with no copy after it.
+    Else (lengths known only at run time, so output_padding is not): ConvTranspose without
+    pads (every position), zero-extended and cropped to X's window [pad_begin, +size)."""
     sp = len(strides)
+    dims = em.dims(x)
+    if dims is not None and len(dims) == 2 + sp and all(isinstance(v, int) for v in dims[2:]):
+        extra = [(n + pads[i] + pads[sp + i] - d * (k - 1) - 1) % s
+                 for i, (n, s, d, k) in enumerate(zip(dims[2:], strides, dil, kernel))]
+        return em.op("ConvTranspose", [gy, w], strides=strides, dilations=dil, group=group, pads=list(pads),
+                     output_padding=extra)
     full = em.op("ConvTranspose", [gy, w], strides=strides, dilations=dil, group=group)
     # full length s*(o-1)+d*(k-1)+1 >= pad_begin + size - (s-1): extending by s always suffices
     padded = em.op("Pad", [full, em.ints([0] * (2 + sp) + [0, 0] + list(strides))])
@@ -50,11 +62,12 @@ def _conv_input_grad(em: Emitter, gy: str, w: str, x: str, strides, dil, pads, g
     return em.op("Slice", [padded, starts, ends, em.ints(range(2, 2 + sp))])
 
 
-def _conv_weight_grad(em: Emitter, inp: str, gout: str, group: int, per_group_in: int, gout_ch: int,
-                      kernel: list[int], strides, dil, pads) -> str:
+def _dw_as_conv(em: Emitter, inp: str, gout: str, group: int, per_group_in: int, gout_ch: int,
+                kernel: list[int], strides, dil, pads) -> str:
     """R[c, i, k] = sum_{n,o} gout[n, c, o] * inp_padded[n, g(c)*per_group_in + i, o*s + k*d]:
     one Conv with batch and channels swapped (strides <-> dilations), shaped
-    [gout_ch, per_group_in, *kernel]. This is dW of Conv(inp) -> gout, and of ConvTranspose."""
+    [gout_ch, per_group_in, *kernel]; its filter is the whole output map. Works for any
+    shapes (symbolic ones included)."""
     sp = len(kernel)
     rank = 2 + sp
     if group == 1:
@@ -75,6 +88,18 @@ def _conv_weight_grad(em: Emitter, inp: str, gout: str, group: int, per_group_in
     return em.transpose(r, [1, 0] + list(range(2, rank)))
 
 
+def _conv_weight_grad(em: Emitter, inp: str, gout: str, group: int, per_group_in: int, gout_ch: int,
+                      kernel: list[int], strides, dil, pads) -> str:
+    """dW of Conv(inp) -> gout (and of ConvTranspose, with its output gradient as `inp` and X
+    as `gout`): [gout_ch, per_group_in, *kernel]. A GEMM form of conv_gemm.py where the shapes
+    are static enough and conv_gemm.weight_grad_form picks one, else the convolution form."""
+    shapes = conv_shapes(em, inp, gout, group, kernel, strides, dil, pads)
+    form = weight_grad_form(shapes) if shapes is not None else None
+    if form is None:
+        return _dw_as_conv(em, inp, gout, group, per_group_in, gout_ch, kernel, strides, dil, pads)
+    return WEIGHT_GRAD_FORMS[form](em, inp, gout, shapes)
+
+
 def _weight_shape(em, node, w):
     shape = em.static_shape(w)
     if shape is None:
@@ -85,8 +110,10 @@ def _weight_shape(em, node, w):
 
 @rule("Conv")
 def conv(em, node, g):
-    """Y = conv(X, W) + B: dX = ConvTranspose(dY, W) cropped to X, dW = Conv of X (batch as
-    channels) with dY as filters, dB = sum of dY over N and spatial axes."""
+    """Y = conv(X, W) + B: dX = ConvTranspose(dY, W) with the conv's pads (and output_padding)
+    so it is X's shape, dW = GEMMs of dY with X's strided tap windows (conv_gemm.py; a Conv
+    of X, batch as channels, with dY as filters where spatial sizes are symbolic), dB = sum
+    of dY over N and spatial axes."""
     x, w, b = _inputs(node, 3)
     wshape = _weight_shape(em, node, w)
     kernel = list(attr(node, "kernel_shape", wshape[2:]))
@@ -94,7 +121,7 @@ def conv(em, node, g):
     group = attr(node, "group", 1)
     gy = g[0]
     sp = len(kernel)
-    return [_conv_input_grad(em, gy, w, x, strides, dil, pads, group) if em.needs(x) else None,
+    return [_conv_input_grad(em, gy, w, x, kernel, strides, dil, pads, group) if em.needs(x) else None,
             _conv_weight_grad(em, x, gy, group, wshape[1], wshape[0], kernel, strides, dil, pads)
             if em.needs(w) else None,
             em.reduce("ReduceSum", gy, [0] + list(range(2, 2 + sp)), keepdims=0) if b and em.needs(b) else None]
@@ -133,7 +160,8 @@ def _transpose_pads(em: Emitter, node, x: str, kernel, strides, dil) -> list:
 @rule("ConvTranspose")
 def conv_transpose(em, node, g):
     """Y = convT(X, W) + B: dX = Conv(dY, W) (same strides, pads, dilations, group),
-    dW = Conv of dY (batch as channels) with X as filters, dB = sum of dY."""
+    dW = Conv's weight gradient with dY as the input and X as the output gradient (GEMMs of
+    X with dY's tap windows, conv_gemm.py), dB = sum of dY."""
     x, w, b = _inputs(node, 3)
     wshape = _weight_shape(em, node, w)
     kernel = list(attr(node, "kernel_shape", wshape[2:]))
@@ -178,7 +206,8 @@ def max_pool(em, node, g):
 @rule("AveragePool")
 def average_pool(em, node, g):
     """Y = window mean: dX = ConvTranspose of dY / count with a ones kernel per channel
-    (group = C), cropped to X; count = window size, or the real elements without pads."""
+    (group = C), shaped to X as Conv's dX is; count = window size, or the real elements
+    without pads."""
     x = node.input[0]
     kernel = list(attr(node, "kernel_shape"))
     strides, dil, pads = _spatial_attrs(em, node, x, kernel)
@@ -198,7 +227,7 @@ def average_pool(em, node, g):
                       dilations=dil, pads=pads)
         gdiv = em.op("Div", [g[0], count])
     w = em.const(np.ones([c, 1] + kernel), dt)
-    return [_conv_input_grad(em, gdiv, w, x, strides, dil, pads, c)]
+    return [_conv_input_grad(em, gdiv, w, x, kernel, strides, dil, pads, c)]
 
 
 @rule("GlobalAveragePool")

@@ -1,0 +1,192 @@
+"""Convolution gradients written for fast GEMM kernels (helpers of rules/nn.py; no rules here).
+
+Weight gradient. For Conv(X, W) -> Y (and, with the roles of the tensors read off the same
+formula, ConvTranspose), with X zero-padded by the conv's pads:
+
+    dW[c, i, t] = sum_{n, o} dY[n, c, o] * Xpad[n, g(c) * Cin_g + i, o * stride + t * dilation]
+
+for every kernel tap t. Gathering, for each tap, the strided window of Xpad that the tap
+reads (a Slice with steps = strides) turns this into one matrix product with the reduction
+over all N x out-positions (the "columns" of im2col). Three layouts are written here:
+
+- channels-first (`_dw_channels_first`): X and dY transposed once to [C, N, ...], the tap
+  windows concatenated into columns [Cin_g * taps, N * P] per group, then one Gemm (a
+  MatMul batched over the groups): dW = dY' [Cout_g, N*P] @ cols^T. No per-sample partials;
+  costs a transpose of X and of dY.
+- per-sample (`_dw_per_sample`): columns [N, Cin_g * taps, P] from X as it is, a batched
+  MatMul giving N partial dW's, then ReduceSum over N in FP32 (FP16 partials are widened
+  first, so mixed precision sums in FP32). No activation transposes; costs N weight-sized
+  partials.
+- per-tap (`_dw_per_tap`, group 1): one Gemm per tap on the channels-first tap windows,
+  concatenated along the taps; no column matrix, but dY' is read once per tap.
+
+`weight_grad_form` picks one per shape (see its docstring for the CPU measurements and the
+rule derived from them); shapes the GEMM forms do not fit (a spatial length or a channel
+count known only at run time) keep the convolution form of rules/nn.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto
+
+from ..emitter import Emitter
+
+
+def _static_tail(dims) -> bool:
+    """Whether every dim but the first (the batch) is a known int."""
+    return dims is not None and len(dims) >= 3 and all(isinstance(v, int) for v in dims[1:])
+
+
+def conv_shapes(em: Emitter, inp: str, gout: str, group: int, kernel, strides, dil, pads) -> dict | None:
+    """The static facts the GEMM forms need, or None when they cannot be used: every dim of
+    `inp` (the conv input) and `gout` (the output gradient) but the batch must be static,
+    and the padded input must hold every window the taps read (true for any valid Conv)."""
+    xd, yd = em.dims(inp), em.dims(gout)
+    if not (_static_tail(xd) and _static_tail(yd)) or len(xd) != len(yd) or len(xd) != 2 + len(kernel):
+        return None
+    sp = len(kernel)
+    cin, cout, outs = xd[1], yd[1], list(yd[2:])
+    if cin % group or cout % group:
+        return None
+    for i in range(sp):
+        padded = xd[2 + i] + pads[i] + pads[sp + i]
+        if outs[i] < 1 or (kernel[i] - 1) * dil[i] + strides[i] * (outs[i] - 1) + 1 > padded:
+            return None
+    return dict(sp=sp, cin=cin, cout=cout, group=group, cin_g=cin // group, cout_g=cout // group,
+                outs=outs, positions=int(np.prod(outs)), taps=int(np.prod(kernel)), kernel=list(kernel),
+                strides=list(strides), dil=list(dil), pads=list(pads), in_spatial=list(xd[2:]))
+
+
+def _taps(kernel):
+    """Every kernel tap as a tuple of per-axis offsets, in the row-major order of W."""
+    return [tuple(int(v) for v in t) for t in np.ndindex(*kernel)]
+
+
+def _pad(em: Emitter, x: str, s: dict) -> str:
+    """x with the conv's zero pads on its spatial axes (x itself when there are none)."""
+    if not any(s["pads"]):
+        return x
+    sp = s["sp"]
+    return em.op("Pad", [x, em.ints([0, 0] + s["pads"][:sp] + [0, 0] + s["pads"][sp:])])
+
+
+def _tap_window(em: Emitter, xpad: str, s: dict, tap) -> str:
+    """The strided window of the padded input that kernel tap `tap` reads: spatial lengths
+    = the output's (Slice with steps = strides); xpad itself when that is all of it."""
+    sp = s["sp"]
+    starts = [t * d for t, d in zip(tap, s["dil"])]
+    ends = [b + st * (o - 1) + 1 for b, st, o in zip(starts, s["strides"], s["outs"])]
+    padded = [n + s["pads"][i] + s["pads"][sp + i] for i, n in enumerate(s["in_spatial"])]
+    if starts == [0] * sp and s["strides"] == [1] * sp and ends == padded:
+        return xpad
+    return em.op("Slice", [xpad, em.ints(starts), em.ints(ends), em.ints(range(2, 2 + sp)), em.ints(s["strides"])])
+
+
+def _columns(em: Emitter, x: str, s: dict, axis: int) -> str:
+    """im2col of x [A, B, *spatial] on its axes 2.. : the tap windows [A, B, *outs] stacked
+    on a new axis `axis` (1: [A, taps, B, *outs], 2: [A, B, taps, *outs])."""
+    xpad = _pad(em, x, s)
+    windows = [em.unsqueeze(_tap_window(em, xpad, s, t), [axis]) for t in _taps(s["kernel"])]
+    return windows[0] if len(windows) == 1 else em.op("Concat", windows, axis=axis)
+
+
+def _channels_first(em: Emitter, x: str, rank: int) -> str:
+    return em.transpose(x, [1, 0] + list(range(2, rank)))
+
+
+def _dw_channels_first(em: Emitter, inp: str, gout: str, s: dict) -> str:
+    """dW [Cout, Cin_g, *kernel] as one GEMM per group over all N x out-positions.
+    Needs conv_shapes' facts `s`; the GEMM runs in the tensors' dtype."""
+    rank = 2 + s["sp"]
+    g, k = s["group"], s["cin_g"] * s["taps"]
+    if s["taps"] == 1 and not any(s["pads"]):
+        # 1x1: slice the stride first, so only the positions used are transposed
+        cols = _channels_first(em, _tap_window(em, inp, s, _taps(s["kernel"])[0]), rank)
+    else:
+        cols = _columns(em, _channels_first(em, inp, rank), s, 1)   # [Cin, taps, N, *outs]
+    dy = _channels_first(em, gout, rank)                             # [Cout, N, *outs]
+    if g == 1:
+        r = em.op("Gemm", [em.op("Reshape", [dy, em.ints([s["cout"], -1])]),
+                           em.op("Reshape", [cols, em.ints([k, -1])])], transB=1)
+    else:
+        dy_g = em.op("Reshape", [dy, em.ints([g, s["cout_g"], -1])])
+        cols_g = em.op("Reshape", [cols, em.ints([g, k, -1])])
+        r = em.op("MatMul", [dy_g, em.transpose(cols_g, [0, 2, 1])])  # [G, Cout_g, Cin_g * taps]
+    return em.op("Reshape", [r, em.ints([s["cout"], s["cin_g"]] + s["kernel"])])
+
+
+def _dw_per_sample(em: Emitter, inp: str, gout: str, s: dict) -> str:
+    """dW [Cout, Cin_g, *kernel] as a batched GEMM per sample (and group) on inp's own
+    layout, then a sum over the batch in FP32 (FP64 for double): FP16/BF16 partials are
+    widened before the ReduceSum and the sum narrowed back to the tensors' dtype."""
+    g, k, p = s["group"], s["cin_g"] * s["taps"], s["positions"]
+    dt = em.dtype(gout)
+    cols = _columns(em, inp, s, 2) if (s["taps"] > 1 or any(s["pads"])) else \
+        _tap_window(em, inp, s, _taps(s["kernel"])[0])               # [N, Cin, (taps,) *outs]
+    cols = em.op("Reshape", [cols, em.ints([0, g, k, p] if g > 1 else [0, k, p])])
+    dy = em.op("Reshape", [gout, em.ints([0, g, s["cout_g"], p] if g > 1 else [0, s["cout"], p])])
+    perm = [0, 1, 3, 2] if g > 1 else [0, 2, 1]
+    partials = em.op("MatMul", [dy, em.transpose(cols, perm)])      # [N, (G,) Cout_g, Cin_g * taps]
+    acc = dt if dt in (TensorProto.FLOAT, TensorProto.DOUBLE) else TensorProto.FLOAT
+    total = em.cast(em.reduce("ReduceSum", em.cast(partials, acc, dt), [0], keepdims=0), dt, acc)
+    return em.op("Reshape", [total, em.ints([s["cout"], s["cin_g"]] + s["kernel"])])
+
+
+def _dw_per_tap(em: Emitter, inp: str, gout: str, s: dict) -> str:
+    """dW [Cout, Cin, *kernel] (group 1) as one Gemm per kernel tap over all N x out-positions,
+    the [Cout, Cin] results stacked along the taps (no column matrix)."""
+    rank = 2 + s["sp"]
+    xpad = _pad(em, _channels_first(em, inp, rank), s)
+    dy = em.op("Reshape", [_channels_first(em, gout, rank), em.ints([s["cout"], -1])])
+    per_tap = []
+    for t in _taps(s["kernel"]):
+        window = em.op("Reshape", [_tap_window(em, xpad, s, t), em.ints([s["cin"], -1])])
+        per_tap.append(em.unsqueeze(em.op("Gemm", [dy, window], transB=1), [2]))
+    stacked = per_tap[0] if len(per_tap) == 1 else em.op("Concat", per_tap, axis=2)
+    return em.op("Reshape", [stacked, em.ints([s["cout"], s["cin"]] + s["kernel"])])
+
+
+WEIGHT_GRAD_FORMS = {"channels_first": _dw_channels_first, "per_sample": _dw_per_sample, "per_tap": _dw_per_tap}
+
+
+def weight_grad_form(s: dict) -> str:
+    """The dW form (a key of WEIGHT_GRAD_FORMS) for conv_shapes' facts `s`:
+
+    1. group 1 with several taps and Cin >= 16: per_tap;
+    2. else per_sample when its partials are small next to the transposes channels_first
+       makes: 4 * Cout * Cin_g * taps < Cin * (input positions read) + Cout * P;
+    3. else channels_first.
+
+    Derived from ORT CPU (1.32, 1 thread, FP32), batch 4, ResNet-50 layers at a 112x112
+    input: ms, the least of three runs' minimum over 11 / 25 / 21 interleaved runs
+    (benchmarks/train_grads.py --only dw; medians on the shared 2-core machine were up to
+    10x noisier); conv = the convolution form (its filter is the whole output map):
+
+        layer                  conv   channels_first  per_sample  per_tap   picked
+        stem 7x7/2 3->64       2.34   3.48            3.38        8.46      per_sample
+        1x1 64->256 @28        2.99   0.54            0.46        0.53      per_sample
+        3x3 64 @28             3.55   2.02            2.00        1.55      per_tap
+        3x3/2 128 @28          3.36   2.25            2.55        2.10      per_tap
+        1x1/2 256->512 @28     15.92  1.25            1.34        1.25      channels_first
+        3x3 256 @7             2.89   1.52            3.54        1.68      per_tap
+        1x1 512->2048 @4       3.26   0.81            3.29        0.90      channels_first
+        1x1 2048->512 @4       3.90   0.94            3.37        0.95      channels_first
+        3x3 g32 256 @14        2.18   1.47            1.62        -         per_sample
+        3x3 depthwise 128 @28  3.49   2.31            2.23        -         per_sample
+        3x3/2 depthwise 256@14 0.62   0.73            0.77        -         per_sample
+
+    Per-sample partials pay off only where they are small next to the activations (early,
+    wide layers); per-tap GEMMs beat the column matrix once Cin is not tiny (the stem's 49
+    GEMMs with 3 columns each are the worst form there; on a 7x7 map they lose 10% to it).
+    The convolution form is never picked: on the CPU it wins only the stem (by ~1 ms of a
+    ~2 s ResNet-50 step) and a small strided depthwise conv (by 0.15 ms), while on a GPU a
+    convolution whose filter is the whole output map is the slow case this module exists to
+    avoid (for the stem at batch 32 its reduction is 32x112x112 long). Grouped and
+    depthwise convs use the same GEMMs batched over the groups (depthwise: per group a
+    [1, N*P] x [N*P, taps] product): 1.6x faster than the convolution form at 28x28,
+    1.2x slower at 14x14 stride 2."""
+    if s["taps"] > 1 and s["group"] == 1 and s["cin"] >= 16:
+        return "per_tap"
+    read = int(np.prod(s["in_spatial"])) if s["taps"] > 1 or any(s["pads"]) else s["positions"]
+    partials = s["cout"] * s["cin_g"] * s["taps"]
+    return "per_sample" if 4 * partials < s["cin"] * read + s["cout"] * s["positions"] else "channels_first"
