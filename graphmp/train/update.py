@@ -13,9 +13,10 @@ Reshape per tensor (a view, no copy) around the Splits and Concats that pack and
 
 The select is a Where per buffer: exact (a NaN gradient times 0 is NaN, so masking by
 arithmetic would not leave a skipped step's state as it was) and a plain elementwise kernel
-on any provider. An `If` that computes the update only when applied is cheaper on ORT's CPU
-provider (25M floats, 1 thread: about 5 ms against 14 ms for a Where), but it needs the flag
-on the host mid-graph (a device sync on CUDA) and cannot be captured in a CUDA graph.
+on any provider. One `If` for all buffers (pass-through else branch, the update in or out of
+its then branch) measured no faster on ORT's CPU provider for a ResNet-50 step (within the
+noise, benchmarks/README.md), and it would need the flag on the host mid-graph (CUDA waits
+for it) and cannot be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -84,7 +85,9 @@ def add_update(model, cfg: dict, loss_t: str, weights: list, bn: dict, grads_sca
     table = fl.layout([(w, shapes[w]) for w in weights])
     g = b.op("Div", [fl.flatten_concat(b, [grads_scaled[w] for w in weights]), st.scale], out=fl.GRAD)
     new, applied, finite, kinds = _update(b, cfg, g, loss_t, st)
-    tables = {name: [[w + name[len(fl.FLAT):], off, shape] for w, off, shape in table] for name in kinds}
+    # a moment or accumulation buffer holds w + its suffix at the weight's place
+    tables = {name: [[w + name[len(fl.FLAT):], off, shape] for w, off, shape in table]
+              for name, kind in kinds.items() if kind != "weight"}
     tables[fl.WEIGHTS] = table
     if bn:
         tables[fl.BN_STATS] = fl.layout([(r, shapes[r]) for r in bn])
