@@ -59,9 +59,9 @@ def test_update_node_count_does_not_grow_with_the_number_of_weights(tmp_path, op
         inputs[layers] = [s["input"] for s in graph_state(meta)]
         assert meta["nodes"]["update"] == sum(counts[layers].values())
     small, big = counts[1], counts[6]
-    extra_weights = 2 * 5
-    # one Reshape per weight for its view and one for its flattened gradient; nothing else grows
-    assert big["Reshape"] - small["Reshape"] == 2 * extra_weights
+    extra_matrices = 5  # 5 more Gemm weights (their 1-D biases are Split outputs as they are)
+    # a Reshape per matrix for its view and one for its flattened gradient; nothing else grows
+    assert big["Reshape"] - small["Reshape"] == 2 * extra_matrices
     assert {k: v for k, v in big.items() if k != "Reshape"} == {k: v for k, v in small.items() if k != "Reshape"}
     assert small["Concat"] == 1 and small["Split"] == 1  # gradients in, weight views out: once each
     assert inputs[1] == inputs[6] and set(inputs[1]) - {STEP, SCALE, CLEAN, "accum_count"} <= set(FLAT_BUFFERS)

@@ -143,23 +143,27 @@ def add_views(graph, buffer: str, table: list, prefix: str) -> None:
 
 def split_views(graph, flat: str, table: list, outs: list, prefix: str) -> list:
     """The nodes (not added to the graph) that give outs[i] = flat[offset:offset+size] shaped as
-    table[i]: one Split (sizes as an initializer of `graph`), one Reshape each."""
+    table[i]: one Split (sizes as an initializer of `graph`), then a Reshape for each tensor
+    that is not 1-D (a 1-D one is its Split output)."""
     sizes = [int(np.prod(shape, dtype=np.int64)) for _, _, shape in table]
     split = f"{prefix}/{flat}/sizes"
     graph.initializer.append(numpy_helper.from_array(np.array(sizes, np.int64), split))
-    pieces = [f"{prefix}/{flat}/{out}" for out in outs]
+    pieces = [out if len(shape) == 1 else f"{prefix}/{flat}/{out}" for out, (_, _, shape) in zip(outs, table)]
     nodes = [helper.make_node("Split", [flat, split], pieces, name=f"{prefix}/{flat}/Split", axis=0)]
     for piece, out, (_, _, shape) in zip(pieces, outs, table):
+        if piece == out:
+            continue
         dims = f"{prefix}/{flat}/{out}/shape"
         graph.initializer.append(numpy_helper.from_array(np.array(shape, np.int64), dims))
         nodes.append(helper.make_node("Reshape", [piece, dims], [out], name=f"{prefix}/{flat}/{out}/Reshape"))
     return nodes
 
 
-def flatten_concat(b, tensors: list, out: str | None = None) -> str:
-    """One 1-D tensor: the tensors raveled and concatenated in order (b: a Builder)."""
-    minus_one = b.const([-1], np.int64)
-    parts = [b.op("Reshape", [t, minus_one]) for t in tensors]
+def flatten_concat(b, tensors: list, ranks: list, out: str | None = None) -> str:
+    """One 1-D tensor: the tensors (of these ranks) raveled and concatenated in order (b: a
+    Builder); a Reshape for each tensor that is not 1-D already."""
+    minus_one = b.const([-1], np.int64) if any(rank != 1 for rank in ranks) else None  # no unused initializer
+    parts = [t if rank == 1 else b.op("Reshape", [t, minus_one]) for t, rank in zip(tensors, ranks)]
     return b.op("Concat", parts, out=out, axis=0)
 
 

@@ -8,8 +8,9 @@ weights at once (graphmp.train.flat holds the layout):
     [clipping: one global norm]  SGD / AdamW on flat__weights and the flat moments
     X__next = Where(applied, new X, X) per buffer             one select per buffer
     flat__bn_stats__next = Where(finite, Concat(new running statistics), flat__bn_stats)
-The node count of this phase does not grow with the number of weights, except for one
-Reshape per tensor (a view, no copy) around the Splits and Concats that pack and unpack them.
+The node count of this phase does not grow with the number of weights, except for a Reshape
+(a view, no copy) per tensor that is not 1-D, around the Splits and Concats that unpack and
+pack them.
 
 The select is a Where per buffer: exact (a NaN gradient times 0 is NaN, so masking by
 arithmetic would not leave a skipped step's state as it was) and a plain elementwise kernel
@@ -83,7 +84,8 @@ def add_update(model, cfg: dict, loss_t: str, weights: list, bn: dict, grads_sca
     n0 = len(model.graph.node)
     b = Builder(model, prefix=PREFIX)
     table = fl.layout([(w, shapes[w]) for w in weights])
-    g = b.op("Div", [fl.flatten_concat(b, [grads_scaled[w] for w in weights]), st.scale], out=fl.GRAD)
+    scaled = fl.flatten_concat(b, [grads_scaled[w] for w in weights], [len(shapes[w]) for w in weights])
+    g = b.op("Div", [scaled, st.scale], out=fl.GRAD)
     new, applied, finite, kinds = _update(b, cfg, g, loss_t, st)
     # a moment or accumulation buffer holds w + its suffix at the weight's place
     tables = {name: [[w + name[len(fl.FLAT):], off, shape] for w, off, shape in table]
@@ -92,7 +94,7 @@ def add_update(model, cfg: dict, loss_t: str, weights: list, bn: dict, grads_sca
     if bn:
         tables[fl.BN_STATS] = fl.layout([(r, shapes[r]) for r in bn])
         kinds[fl.BN_STATS] = "bn"
-        new[fl.BN_STATS] = fl.flatten_concat(b, list(bn.values()))
+        new[fl.BN_STATS] = fl.flatten_concat(b, list(bn.values()), [len(shapes[r]) for r in bn])
     for name, kind in kinds.items():
         if kind == "accum":  # accumulate()'s next value already holds the window logic
             b.op("Identity", [new[name]], out=name + NEXT)
