@@ -4,8 +4,8 @@ A step graph built with flat state (train.json "flat") takes the weights, the op
 moments, the accumulation window and the BatchNorm running statistics as a few 1-D FP32
 buffers (FLAT_BUFFERS) instead of one input per tensor, so the update is a handful of nodes
 over whole buffers and a step binds a handful of tensors. Inside the graph each tensor is a
-view of its buffer (one Split, then a Reshape per tensor) under its own name, so the forward
-and the backward are the same as with one input per tensor.
+view of its buffer (one Split, then a Reshape of each tensor that is not 1-D) under its own
+name, so the forward and the backward are the same as with one input per tensor.
 
 train.json keeps "state" as the logical, per-tensor state (state.npz and checkpoints hold
 those arrays: eval, export, resume and older run folders read them unchanged) and adds:
@@ -128,8 +128,9 @@ def check_flat(flat, bad) -> None:
 
 def add_views(graph, buffer: str, table: list, prefix: str) -> None:
     """Makes each tensor of `table` a view of the 1-D FP32 graph input `buffer` (added; the
-    tensors stop being graph inputs): one Split into the tensors' sizes, a Reshape to each
-    shape, put first in the graph so every reader comes after them."""
+    tensors stop being graph inputs): one Split into the tensors' sizes and a Reshape to each
+    shape that is not 1-D (split_views), put first in the graph so every reader comes after
+    them."""
     names = {t for t, _, _ in table}
     kept = [v for v in graph.input if v.name not in names]
     del graph.input[:]

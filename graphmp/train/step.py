@@ -15,7 +15,7 @@ build_step takes a StepConfig (config.py; or the same keywords), then runs its p
 _load_source -> _forward_and_loss -> _select_weights -> _convert_precision -> _add_backward
 -> _add_update -> _set_outputs -> _finish (checks, inference graph, the run folder written).
 
-State naming (every state tensor is a graph input AND a graph output):
+State naming (per tensor, as train.json "state" lists it; the graph packs them, see below):
     input X                      -> output  X + NEXT ("X__next")
     <weight>                     trainable FP32 master weight (the model's initializer name,
                                  or a lifted Constant node's output name)
@@ -446,7 +446,7 @@ def _add_backward(s: _Source, f: _Forward, cfg: dict, expose_grads: bool) -> tup
     return b, grads_scaled, st
 
 
-def _add_update(s: _Source, f: _Forward, b: Builder, cfg: dict, grads: dict, st: _State) -> None:
+def _add_update(s: _Source, f: _Forward, cfg: dict, grads: dict, st: _State) -> None:
     """Needs the scaled gradients. Adds the update over flat buffers (update.py: unscale,
     accumulation, finiteness, clipping, schedule, optimizer, loss scale, the gated next
     state) and fills the state: st.pairs (per tensor, train.json "state"), st.flat (the
@@ -586,8 +586,8 @@ def build_step(model, out_dir, config: StepConfig | None = None, **options) -> d
     _select_weights(s, f, config.trainable)
     _small_weight_warning(s, f, cfg)
     _convert_precision(s, f, cfg, config)
-    b, grads, st = _add_backward(s, f, cfg, config.expose_grads)
-    _add_update(s, f, b, cfg, grads, st)
+    _, grads, st = _add_backward(s, f, cfg, config.expose_grads)
+    _add_update(s, f, cfg, grads, st)
     _set_outputs(f, st, config.expose_grads)
     return _finish(s, f, st, cfg, config, out_dir)
 
