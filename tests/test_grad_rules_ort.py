@@ -39,6 +39,7 @@ from graphmp.errors import GraphmpError
 from graphmp.model_runs import ort_session
 from graphmp.train import build_step
 from graphmp.train.autodiff import add_backward
+from graphmp.train.flat import next_state, pack
 
 N = helper.make_node
 F32, F16 = TensorProto.FLOAT, TensorProto.FLOAT16
@@ -340,8 +341,10 @@ def _step(run, meta, x, labels):
     sess = ort_session(onnx.load(run / "step.onnx"))
     with np.load(run / "state.npz") as f:
         state = dict(f)
-    feeds = {"x": x, meta["label"]["name"]: labels, **state}
-    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds))), state
+    feeds = {"x": x, meta["label"]["name"]: labels, **pack(meta, state)}
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    out.update({k + "__next": v for k, v in next_state(meta, out).items()})  # per tensor, as the test reads it
+    return out, state
 
 
 def _mse(sess, feeds, labels):

@@ -17,6 +17,7 @@ from fixtures import tiny as tm
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
 from graphmp.model_runs import cuda_available, run_reference
+from graphmp.train.flat import graph_state, next_state, pack
 from graphmp.train.loop import StepRunner, evaluate, export, latest_state, load_run, train
 from graphmp.train.step import CLEAN, NEXT, SCALE, STEP, build_step
 
@@ -67,7 +68,7 @@ def test_step_graph_is_plain_onnx_with_state_pairs(cnn_path, tmp_path, precision
     assert {n.domain for n in m.graph.node} <= {"", "ai.onnx"}  # standard ops only
     ins = {v.name for v in m.graph.input}
     outs = {v.name for v in m.graph.output}
-    for s in meta["state"]:
+    for s in graph_state(meta):  # the graph's own state: flat buffers and scalars
         assert s["input"] in ins and s["output"] == s["input"] + NEXT and s["output"] in outs
     assert set(meta["weights"]) == {"conv.weight", "conv.bias", "bn.weight", "bn.bias", "fc.weight", "fc.bias"}
     assert meta["bn_stats"] == ["bn.running_mean", "bn.running_var"]
@@ -221,7 +222,7 @@ def _optimizer_run(tmp_path, mlp_path, name, steps=4, **kw):
     for b in _batches(tm.blobs(8 * steps, seed=3), 8, steps):
         before = r.state_numpy()
         feeds = dict(b)
-        feeds.update(before)
+        feeds.update(pack(meta, before))
         outs = dict(zip(out_names, sess.run(None, feeds)))
         r.state = {n: outs[n + NEXT] for n in r.names}
         history.append((before, {w: outs[g] for w, g in meta["grads"].items()}, r.state_numpy()))
@@ -280,7 +281,7 @@ def test_exposed_gradients_are_unscaled(mlp_path, tmp_path):
         meta = build_step(mlp_path, run, precision="fp32", expose_grads=True, loss_scale=s)
         state, _ = latest_state(run)
         feeds = dict(tm.blobs(8))
-        feeds.update(state)
+        feeds.update(pack(meta, state))
         out = onnx_run(os.path.join(run, "step.onnx"), feeds)
         grads.append({w: out[g] for w, g in meta["grads"].items()})
     for w in grads[0]:
@@ -314,7 +315,10 @@ def test_mixed_step_graph_precision_contract(cnn_path, tmp_path):
              list(inf.graph.value_info) + list(inf.graph.input) + list(inf.graph.output)}
     types.update({t.name: t.data_type for t in inf.graph.initializer})
     for w in meta["weights"] + meta["bn_stats"]:
-        assert types[w] == TensorProto.FLOAT and types[w + NEXT] == TensorProto.FLOAT  # FP32 masters in/out
+        assert types[w] == TensorProto.FLOAT  # FP32 masters (views of their flat buffer)
+    for s in graph_state(meta):
+        if s["kind"] in ("weight", "bn", "moment"):  # and the buffers they come from and go to
+            assert types[s["input"]] == TensorProto.FLOAT and types[s["output"]] == TensorProto.FLOAT
     for w in meta["weights"]:
         assert types[meta["grads"][w]] == TensorProto.FLOAT  # gradients w.r.t. masters are FP32
     casts = [n for n in m.graph.node if n.op_type == "Cast" and n.input[0] in ("conv.weight", "fc.weight")]
@@ -381,10 +385,10 @@ def test_mixed_step_fp16_faithful_matches_ort_and_learns(cnn_path, tmp_path):
     losses = []
     for i in range(6):
         feeds = dict(batch)
-        feeds.update(ref_state)
+        feeds.update(pack(meta, ref_state))
         out = run_reference(step, feeds)
         assert bool(out["all_finite"])
-        ref_state = {s["input"]: out[s["output"]] for s in meta["state"]}
+        ref_state = next_state(meta, out)
         losses.append(float(out["loss"]))
         if i < 3:
             ort_loss, applied, _ = ort_r.step(batch)

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
+from graphmp.train.flat import pack
 from graphmp.train.loop import StepRunner, latest_state, load_run
 from graphmp.train.losses import parse_class_weights
 from graphmp.train.step import build_step
@@ -76,7 +77,7 @@ def _step_outputs(run, x, y):
     state, _ = latest_state(run)
     r = StepRunner(run, meta, state)
     names = [o.name for o in r.sess.get_outputs()]
-    feeds = dict(state, x=x, labels=y)
+    feeds = dict(pack(meta, state), x=x, labels=y)
     out = dict(zip(names, r.sess.run(None, feeds)))
     return float(out["loss"]), {w: out[g] for w, g in meta["grads"].items()}, meta
 

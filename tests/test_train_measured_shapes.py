@@ -23,6 +23,7 @@ from graphmp.cli import main
 from graphmp.errors import GraphmpError
 from graphmp.model_runs import ort_session
 from graphmp.train.autodiff import add_backward
+from graphmp.train.flat import pack
 from graphmp.train.measure import declare_measured, unknown_rank_tensors
 from graphmp.train.step import build_step
 from test_grad_cli import LR, check_step
@@ -111,7 +112,7 @@ def test_step_built_without_shapes_runs_at_other_batch_and_image_sizes(tmp_path,
     assert meta["config"]["measured_shapes"]["tensors"] == len(LOST)
     step = onnx.load(str(tmp_path / "run" / "step.onnx"))
     sess = ort_session(step)
-    state = dict(np.load(tmp_path / "run" / "state.npz"))
+    state = pack(meta, dict(np.load(tmp_path / "run" / "state.npz")))
     ref = ort_session(model)
     for batch, h, w in [(2, 5, 6), (5, 9, 4)]:
         x = _x(batch, h, w, seed=batch)

@@ -22,6 +22,7 @@ from onnx.reference import ReferenceEvaluator
 
 from fixtures import tiny as tm
 from graphmp.cli import main
+from graphmp.train.flat import pack
 from graphmp.train.emitter import Emitter, tensor_info
 from graphmp.train.optim import skipped_note
 from graphmp.train.rules.common import _is_extreme
@@ -53,7 +54,8 @@ def _run_step(run_dir, feeds, scale):
     if "loss_scale" in state:
         state["loss_scale"] = np.array(scale, np.float32)
     names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(None, {**state, **feeds})))
+    meta = json.loads(open(os.path.join(run_dir, "train.json")).read())
+    return dict(zip(names, sess.run(None, {**pack(meta, state), **feeds})))
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from graphmp.cli import main
+from graphmp.train.flat import pack
 
 F32 = TensorProto.FLOAT
 
@@ -90,7 +91,7 @@ def test_same_padding_with_dynamic_sizes_builds_at_the_given_shapes(tmp_path, ca
     labels = r.standard_normal((3, 2, 3, 4)).astype(np.float32)
     state = latest_state(run)[0]
     sess = ort_session(onnx.load(os.path.join(run, "step.onnx")))
-    got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, dict(state, x=x, labels=labels))))
+    got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, dict(pack(meta, state), x=x, labels=labels))))
     fwd = ort_session(model)
     w0 = numpy_helper.to_array(model.graph.initializer[0]).astype(np.float64)
 
@@ -173,7 +174,7 @@ def test_conv_transpose_with_output_shape_or_auto_pad_matches_finite_differences
     labels = r.standard_normal(y.shape).astype(np.float32)
     sess = ort_session(onnx.load(os.path.join(run, "step.onnx")))
     got = dict(zip([o.name for o in sess.get_outputs()],
-                   sess.run(None, dict(latest_state(run)[0], x=x, labels=labels))))
+                   sess.run(None, dict(pack(meta, latest_state(run)[0]), x=x, labels=labels))))
     fd = _fd_grads(model, {"x": x}, labels.astype(np.float64), ["W", "B"])
     for n in ("W", "B"):
         assert np.abs(fd[n]).max() > 1e-2, "the loss does not depend on " + n

@@ -24,6 +24,7 @@ from onnx.reference import ReferenceEvaluator
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
 from graphmp.model_runs import ort_session
+from graphmp.train.flat import pack
 from graphmp.train.loop import evaluate, latest_state, load_run
 from graphmp.train.rnn import decompose_recurrent
 from graphmp.train.step import build_step
@@ -314,7 +315,7 @@ def test_step_graph_gradients_match_finite_differences(op, direction, layout, lb
     labels = (y + _rng("labels").standard_normal(y.shape)).astype(np.float32)
     loss, inits = _fd_loss(model, x, labels.astype(np.float64), out)
     state, _ = latest_state(run)
-    feeds = dict(state, X=x, labels=labels)
+    feeds = dict(pack(meta, state), X=x, labels=labels)
     sess = ort_session(onnx.load(os.path.join(run, "step.onnx")))
     got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
     assert abs(float(got["loss"]) - loss("W", inits["W"])) < 1e-5 * max(1.0, abs(float(got["loss"])))

@@ -13,6 +13,7 @@ import onnx
 
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
+from graphmp.train.flat import next_state
 from graphmp.train.loop import StepRunner, latest_state, load_run, train
 from graphmp.train.step import NEXT, SCALE, STEP, build_step
 from fixtures import tiny as tm
@@ -56,10 +57,10 @@ def _applied_lrs(run, steps, start_state=None):
         x = rng.normal(0, 1, (8, 3)).astype(np.float32)
         feeds = dict(r.state, x=x, labels=rng.normal(0, 1, (8, 1)).astype(np.float32))
         out = dict(zip(names, r.sess.run(None, feeds)))
-        g, before, after = out["W__grad"], r.state["W"], out["W" + NEXT]
+        g, before, after = out["W__grad"], r.state_numpy()["W"], next_state(meta, out)["W"]
         lrs.append(float(np.mean((before - after) / g)))
         r.state = {n: out[n + NEXT] for n in r.names}
-    return lrs, r.state
+    return lrs, r.state_numpy()
 
 
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])

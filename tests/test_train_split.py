@@ -9,6 +9,7 @@ import pytest
 
 from fixtures import tiny
 from graphmp.train import build_step
+from graphmp.train.flat import graph_state, graph_state_names, pack, unpack
 from graphmp.train.split import split_step
 
 
@@ -35,7 +36,7 @@ def _batches(data, size):
 def _fused_vs_split(step, meta, state, batches):
     grad_m, upd_m, handed = split_step(step, meta)
     fused, g_sess, u_sess = _session(step), _session(grad_m), _session(upd_m)
-    s_fused, s_split = dict(state), dict(state)
+    s_fused, s_split = pack(meta, state), pack(meta, state)  # the step graph's state: flat buffers
     outs = [o.name for o in step.graph.output]
     for b in batches:
         f = dict(zip(outs, fused.run(None, {**b, **{k: s_fused[k] for k in s_fused}})))
@@ -46,10 +47,10 @@ def _fused_vs_split(step, meta, state, batches):
         u = dict(zip(u_out, u_sess.run(None, {k: v for k, v in {**s_split, **got}.items() if k in u_in})))
         for k in u_out:
             np.testing.assert_array_equal(u[k], f[k], err_msg=k)
-        for s in meta["state"]:
+        for s in graph_state(meta):
             s_fused[s["input"]] = f[s["output"]]
             s_split[s["input"]] = u[s["output"]]
-    return s_fused, s_split
+    return unpack(meta, s_fused), unpack(meta, s_split)
 
 
 @pytest.mark.parametrize("precision,optimizer", [("fp32", "sgd"), ("fp32", "adamw"), ("mixed", "adamw")])
@@ -101,20 +102,22 @@ def test_a_window_fed_at_once_is_the_fused_steps_window(tmp_path, precision):
     state = dict(np.load(tmp_path / "r" / "state.npz"))
     step = _session(onnx.load(tmp_path / "r" / "step.onnx"))
     halves = Halves(str(tmp_path / "r"), meta, 1, ["CPUExecutionProvider"])
-    fused, split = dict(state), dict(state)
+    fused, split = pack(meta, state), pack(meta, state)  # the step graph's state: flat buffers
     times = {"compute": 0.0, "all_reduce": 0.0, "update": 0.0}
     batches = _batches(tiny.bars(48), 4)
     outs = [o.name for o in step.get_outputs()]
     for w in range(0, 12, 3):
         for b in batches[w:w + 3]:
             f = dict(zip(outs, step.run(None, {**b, **fused})))
-            fused.update({s["input"]: f[s["output"]] for s in meta["state"]})
-        st = DeviceState(split, [s["input"] for s in meta["state"]], halves.device)
+            fused.update({s["input"]: f[s["output"]] for s in graph_state(meta)})
+        st = DeviceState(split, graph_state_names(meta), halves.device)
         _, applied = dp_step(halves, lambda flat: flat, 1, batches[w:w + 3], st, times)
         split = st.numpy()
         assert applied == bool(f["all_finite"])
         for k in meta["weights"] + meta["bn_stats"]:
-            np.testing.assert_allclose(split[k], fused[k], rtol=1e-5, atol=1e-6, err_msg=k)
+            np.testing.assert_allclose(unpack(meta, split)[k], unpack(meta, fused)[k], rtol=1e-5, atol=1e-6,
+                                       err_msg=k)
+    split, fused = unpack(meta, split), unpack(meta, fused)
     w0 = meta["weights"][0]
     assert not np.allclose(split[w0], state[w0])     # it trained
     assert int(split["optimizer_step"]) == int(fused["optimizer_step"]) == 4  # four updates, not twelve

@@ -24,8 +24,9 @@ torch = pytest.importorskip("torch")
 
 from graphmp.model_runs import run_reference  # noqa: E402
 from fixtures.torch_models import CNN, Block, export  # noqa: E402
+from graphmp.train.flat import next_state, pack  # noqa: E402
 from graphmp.train.loop import latest_state, load_run  # noqa: E402
-from graphmp.train.step import NEXT, build_step  # noqa: E402
+from graphmp.train.step import build_step  # noqa: E402
 
 TOL = {("fp32", "ort"): 1e-4, ("mixed", "ort"): 1e-2, ("mixed", "fp16-faithful"): 6e-2}
 
@@ -83,7 +84,7 @@ def test_first_step_gradients_match_torch_autograd(case, tmp_path, precision):
     if kind == "block":  # torch.onnx wrote ln2.weight = Identity(ln1.weight) (equal values): untied again
         assert {"ln2.weight", "ln2.bias"} <= set(meta["untied"])
     state, _ = latest_state(run)
-    feeds = {"x": x, "labels": y, **state}
+    feeds = {"x": x, "labels": y, **pack(meta, state)}
     import onnxruntime as ort
     sess = ort.InferenceSession(os.path.join(run, "step.onnx"), providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
@@ -102,8 +103,9 @@ def test_first_step_gradients_match_torch_autograd(case, tmp_path, precision):
         bad = {k: v for k, v in err.items() if v > tol}
         assert not bad, f"{kind} {precision} {who}: gradient error above {tol}: {bad}"
         # BN running statistics updated as torch does (momentum 0.1, unbiased running variance)
+        after = next_state(meta, out)  # per tensor, from the step graph's flat buffers
         for b, ref in t_buffers.items():
-            np.testing.assert_allclose(out[b + NEXT], ref, rtol=tol, atol=tol * 0.1)
+            np.testing.assert_allclose(after[b], ref, rtol=tol, atol=tol * 0.1)
     print(f"\n{kind} {precision}: max relative gradient error vs torch.autograd: "
           + ", ".join(f"{k} {v:.2e}" for k, v in report.items()))
     assert load_run(run)["config"]["precision"] == precision

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GraphmpError, first_line
+from .flat import graph_state_names, pack, unpack
 
 DEFAULT_TIMEOUT_S = 60.0
 EXTRA = "pip install 'graphmp[dist]'"
@@ -197,7 +198,7 @@ def _setup(run_dir, data, c, opts: DistOptions, torch, dist, devices) -> tuple[_
     if opts.eval_data is not None:
         job.evaluator = _eval_setup(run_dir, meta, opts.eval_data, check, providers, c)
     state, pos = _start(run_dir, meta, rank, n, c)
-    state = DeviceState(state, [s["input"] for s in meta["state"]], halves.device)
+    state = DeviceState(pack(meta, state, run_dir), graph_state_names(meta), halves.device)
     info = {"backend": backend, "providers": halves.grad.get_providers(), "note": note}  # what runs, not what was asked
     return job, state, dict(pos, info=info)
 
@@ -325,7 +326,7 @@ class _Loop:
         or the ranks' mean with sync_bn)."""
         from .loop import save_checkpoint
         if self.job.rank == 0:
-            save_checkpoint(self.job.run_dir, self.state.numpy(),
+            save_checkpoint(self.job.run_dir, unpack(self.job.meta, self.state.numpy()),
                             {"step": self.step, "epoch": self.epoch, "position": self.i, "skipped": self.skipped,
                              "setup": self.setup}, self.losses)
 
@@ -344,7 +345,8 @@ class _Loop:
             self.losses.append(loss)
             self.skipped += not applied
             if job.evaluator is not None and self.epoch != epoch:
-                self.evals.append(dict(_evaluate(job, self.state.numpy()), epoch=self.epoch, step=self.step))
+                self.evals.append(dict(_evaluate(job, unpack(job.meta, self.state.numpy())), epoch=self.epoch,
+                                       step=self.step))
                 if job.rank == 0 and c.progress:
                     print(_eval_line(self.evals[-1]), flush=True)
             if every and self.step // every > before // every:

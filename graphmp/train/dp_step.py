@@ -24,7 +24,8 @@ import time
 import numpy as np
 import onnx
 
-from .optim import ACCUM, ACCUM_COUNT
+from .flat import GRAD as FLAT_GRAD, WEIGHTS, graph_state
+from .optim import ACCUM_COUNT
 
 GRAD = "__grad"
 
@@ -48,10 +49,14 @@ class Halves:
         self.upd_out = [o.name for o in self.upd.get_outputs()]
         self.loss, self.finite = meta["loss_output"], meta["finite_output"]
         self.grads = [t for t in self.handed if t.endswith(GRAD)]
+        state = graph_state(meta)  # the step graph's own state: flat buffers and scalars (or per tensor)
+        # the state input each gradient has the shape of: the flat weights, or its weight
+        self.grad_like = {g: WEIGHTS if g == FLAT_GRAD else g[:-len(GRAD)] for g in self.grads}
         # (BN statistic input, the tensor the gradient half gives its value after the batch)
-        self.bn = list(zip([s["input"] for s in meta["state"] if s["kind"] == "bn"],
+        self.bn = list(zip([s["input"] for s in state if s.get("kind") == "bn"],
                            self.handed[1 + len(self.grads):]))
-        self.state = [(s["input"], s["output"]) for s in meta["state"]]
+        self.state = [(s["input"], s["output"]) for s in state]
+        self.accum = [s["input"] for s in state if s.get("kind") == "accum"]  # the window's sums
         self.window = int(meta["config"].get("grad_accum", 1) or 1)
         self.bucket = self.scratch = None  # made at the first step, from the state's shapes
         self.empty_window = None           # the accumulation inputs of a window fed at once
@@ -93,15 +98,16 @@ class DeviceState:
 
 
 class Bucket:
-    """The flat FP32 buffer of one step's all-reduce: the loss, every gradient, then the
-    BatchNorm values, each a view of its slice (shapes from the state: a gradient has its
-    weight's shape). The gradient half writes straight into it (IOBinding onto the slices),
+    """The flat FP32 buffer of one step's all-reduce: the loss, the gradients (one flat
+    gradient, or one per weight for a step built before flat state), then the BatchNorm
+    values, each a view of its slice (shapes from the state: a gradient has its weights'
+    shape). The gradient half writes straight into it (IOBinding onto the slices),
     so no concatenation copies the gradients before the all-reduce, and the update half
     reads the reduced views."""
 
     def __init__(self, h: "Halves", st: DeviceState):
         dims = {n: tuple(v.shape()) for n, v in st.now.items()}
-        shapes = [(h.loss, ())] + [(g, dims[g[:-len(GRAD)]]) for g in h.grads] + [(o, dims[i]) for i, o in h.bn]
+        shapes = [(h.loss, ())] + [(g, dims[h.grad_like[g]]) for g in h.grads] + [(o, dims[i]) for i, o in h.bn]
         sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape in shapes]
         self.flat = np.zeros(sum(sizes), np.float32)
         self.views, pos = {}, 0
@@ -163,8 +169,7 @@ def _empty_window(h: Halves, st: DeviceState) -> dict:
     """With accumulation, the window state the update half is fed: zero sums and the count
     K-1, so that this one run completes the window and divides the sum by K."""
     if h.empty_window is None:
-        h.empty_window = {w[:-len(GRAD)] + ACCUM: np.zeros(st.now[w[:-len(GRAD)] + ACCUM].shape(), np.float32)
-                          for w in h.grads}
+        h.empty_window = {a: np.zeros(st.now[a].shape(), np.float32) for a in h.accum}
         h.empty_window[ACCUM_COUNT] = np.asarray(h.window - 1, dtype=np.int64)
     return h.empty_window
 

@@ -47,6 +47,7 @@ from .data import DataCheck, Dataset, in_order, label_rule, make_source, run_fai
 from ..session import CUDA, ran_on
 from .device import check_session, providers_for
 from .evaluator import Evaluator, infer_model
+from .flat import graph_state_names, pack, unpack
 from .optim import skipped_note
 from .plot import write_loss_png
 from .runfiles import (CHECKPOINT, FIX, REBUILD, TRAIN_JSON, check_meta, check_state, export_inputs, json_file,
@@ -131,13 +132,14 @@ def _unlink_quietly(path: str) -> None:
 # --- running the step ---------------------------------------------------------------------------
 
 class StepRunner:
-    """Runs step.onnx; holds the state (numpy on the plain path, device OrtValues when bound)."""
+    """Runs step.onnx; holds the step graph's state (its flat buffers and scalars: numpy on the plain
+    path, device OrtValues when bound); state_numpy() gives it per tensor."""
 
     def __init__(self, run_dir, meta, state: dict, providers=None, device_state: bool | None = None,
                  threads: int | None = None):
         import onnxruntime as ort
         self.meta = meta
-        self.names = [s["input"] for s in meta["state"]]
+        self.names = graph_state_names(meta)  # the step graph's state: a few flat buffers and scalars
         so = ort.SessionOptions()
         so.log_severity_level = 4  # a failed run becomes one GraphmpError line (run_failure), not a log dump
         if threads:
@@ -152,6 +154,7 @@ class StepRunner:
         self.providers = self.sess.get_providers()  # what it got, not what was asked for
         self.bound = ran_on(self.sess) == CUDA if device_state is None else bool(device_state)
         self.device = "cuda" if ran_on(self.sess) == CUDA else "cpu"
+        state = pack(meta, state, run_dir)  # per-tensor state -> the graph's buffers, once
         check_state(self.sess, state, self.names, run_dir)
         if self.bound:
             ov = ort.OrtValue
@@ -204,9 +207,11 @@ class StepRunner:
         return float(loss), bool(finite), float(scale)
 
     def state_numpy(self) -> dict:
+        """The state per tensor (train.json "state" names: what checkpoints, eval and export
+        read), copies of the graph's buffers."""
         if not self.bound:
-            return dict(self.state)
-        return {n: np.array(v.numpy()) for n, v in self.bufs[self.cur].items()}  # copies: buffers are reused
+            return unpack(self.meta, self.state)
+        return unpack(self.meta, {n: np.array(v.numpy()) for n, v in self.bufs[self.cur].items()})
 
 
 # --- eval -------------------------------------------------------------------------------------

@@ -87,8 +87,16 @@ def lr_tensor(b: Builder, cfg: dict, step: str) -> str:
     return b.op("Mul", [factor, b.const(lr)])
 
 
-def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str) -> tuple[dict, dict]:
-    """Returns ({state input: new value (ungated)}, {moment state: the weight it belongs to})."""
+def _suffixed(w: str, suffix: str) -> str:
+    return w + suffix
+
+
+def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str,
+              state_name=_suffixed) -> tuple[dict, dict]:
+    """Needs {weight tensor: its gradient} (any shapes: per-weight tensors, or one flat buffer),
+    the lr tensor and the new step count as FP32. Returns ({state input: new value (ungated)},
+    {moment state: the weight it belongs to}); a moment of weight w is named
+    state_name(w, "__momentum" | "__exp_avg" | "__exp_avg_sq")."""
     new, moments = {}, {}
     wd = cfg["weight_decay"]
     if cfg["optimizer"] == "sgd":
@@ -97,7 +105,7 @@ def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str) -> 
             if wd:
                 g = b.op("Add", [g, b.op("Mul", [w, b.const(wd)])])
             if mom:
-                buf = w + "__momentum"
+                buf = state_name(w, "__momentum")
                 g = b.op("Add", [b.op("Mul", [buf, b.const(mom)]), g])
                 new[buf] = g
                 moments[buf] = w
@@ -112,7 +120,7 @@ def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str) -> 
     bc2_sqrt = b.op("Sqrt", [bc2])
     keep = b.op("Sub", [b.const(1.0), b.op("Mul", [lr, b.const(wd)])]) if wd else None
     for w, g in grads.items():
-        m, v = w + "__exp_avg", w + "__exp_avg_sq"
+        m, v = state_name(w, "__exp_avg"), state_name(w, "__exp_avg_sq")
         decayed = b.op("Mul", [w, keep]) if wd else w
         m_new = b.op("Add", [b.op("Mul", [m, b.const(b1)]), b.op("Mul", [g, b.const(1.0 - b1)])])
         v_new = b.op("Add", [b.op("Mul", [v, b.const(b2)]),
@@ -124,17 +132,18 @@ def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str) -> 
     return new, moments
 
 
-def accumulate(b: Builder, grads: dict, n: int) -> tuple[dict, str, dict]:
+def accumulate(b: Builder, grads: dict, n: int, state_name=_suffixed) -> tuple[dict, str, dict]:
     """Gradient accumulation over n runs (n > 1): returns (the window's mean gradients, the bool
-    `update` flag of this run, {accum state: its next value}); zeroed after an update run."""
+    `update` flag of this run, {accum state: its next value}); zeroed after an update run. The
+    window's sum for weight w is the state state_name(w, ACCUM)."""
     count1 = b.op("Add", [ACCUM_COUNT, b.const(1, np.int64)])
     update = b.op("GreaterOrEqual", [count1, b.const(n, np.int64)])
     mean, nxt = {}, {}
     for w, g in grads.items():
-        total = b.op("Add", [w + ACCUM, g])
+        total = b.op("Add", [state_name(w, ACCUM), g])
         mean[w] = b.op("Div", [total, b.const(float(n))])
         # zeros, not total * 0: that would keep a NaN of an overflowing window
-        nxt[w + ACCUM] = b.op("Where", [update, _zeros_like(b, w), total])
+        nxt[state_name(w, ACCUM)] = b.op("Where", [update, _zeros_like(b, w), total])
     nxt[ACCUM_COUNT] = b.op("Where", [update, b.const(0, np.int64), count1])
     return mean, update, nxt
 

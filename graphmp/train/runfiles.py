@@ -153,6 +153,9 @@ def check_meta(meta: dict, path: str) -> None:
         bad("config", "an object with the run's 'precision' and 'loss'")
     if "source" in meta and not (isinstance(meta["source"], str) and "\0" not in meta["source"]):
         bad("source", "the path of the model the run was built from")
+    if meta.get("flat") is not None:  # a run built before flat state has none
+        from .flat import check_flat
+        check_flat(meta["flat"], bad)
 
 
 def _count(v) -> bool:

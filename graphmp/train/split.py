@@ -2,14 +2,16 @@
 each rank runs on its own batch, and an update graph that every rank runs on the gradients
 all ranks reduced.
 
-Both are cut out of the fused step graph (graphmp.train.step names the unscaled FP32
-gradients <weight>__grad), so they compute exactly what the fused step computes:
+Both are cut out of the fused step graph at the unscaled FP32 gradient: flat__grad, all
+weights' gradients in one buffer (graphmp.train.flat; a step built before flat state: each
+<weight>__grad), so they compute exactly what the fused step computes:
 
   gradient graph  inputs: the batch, the labels, the weights, BN statistics, the loss
                   scale (dynamic scaling) and the step counter where the loss reads it;
-                  outputs: the loss, every <weight>__grad, and each BN statistic's value
-                  after this batch (FP32).
-  update graph    inputs: every state tensor (weights, moments, counters, scale) plus the
+                  outputs: the loss, the gradient(s), and the BN statistics' values
+                  after this batch (FP32; one flat buffer with flat state).
+  update graph    inputs: the step graph's state (flat buffers of the weights, moments and
+                  BN statistics, counters, scale; or one input per tensor) plus the
                   tensors the gradient graph gives (the reduced gradients and loss);
                   outputs: the fused step's all_finite and every <state>__next.
 
@@ -27,6 +29,7 @@ from onnx import helper
 
 from ..errors import GraphmpError
 from .builder import subgraph_inputs
+from .flat import graph_state
 
 GRAD = "__grad"
 
@@ -73,8 +76,8 @@ def _sub_model(model, nodes: list, inputs: list, outputs: list, infos: dict, nam
 def split_step(model, meta: dict) -> tuple:
     """(gradient model, update model, the tensors the gradient graph hands over) of a fused
     step graph (meta: its train.json dict)."""
-    weights = list(meta["weights"])
-    grads = [w + GRAD for w in weights]
+    flat = meta.get("flat")
+    grads = [flat["grad"]] if flat else [w + GRAD for w in meta["weights"]]
     produced = {o for n in model.graph.node for o in n.output}
     if any(gname not in produced for gname in grads):
         raise GraphmpError("the step graph names no <weight>__grad tensors (built by an older graphmp): rebuild it "
@@ -82,8 +85,9 @@ def split_step(model, meta: dict) -> tuple:
     loss = meta["loss_output"]
     prod = {o: n for n in model.graph.node for o in n.output}
     bn_new = []
-    for s in meta["state"]:
-        if s["kind"] == "bn":  # X__next = Where(finite, new value, X): the new value comes from the forward
+    state = graph_state(meta)
+    for s in state:
+        if s.get("kind") == "bn":  # X__next = Where(finite, new value, X): the new value comes from the forward
             bn_new.append(prod[s["output"]].input[1])
     handed = [loss] + grads + bn_new
     infos = _value_infos(model)
@@ -92,7 +96,7 @@ def split_step(model, meta: dict) -> tuple:
     grad_model = _sub_model(model, grad_nodes, inputs, handed, infos, "gradients")
     outputs = [o.name for o in model.graph.output if not o.name.endswith(GRAD) and o.name != loss]
     update_nodes = _needed(model.graph, outputs, set(handed))
-    state_inputs = [s["input"] for s in meta["state"]]
+    state_inputs = [s["input"] for s in state]
     update_model = _sub_model(model, update_nodes, state_inputs + handed, outputs, infos, "update")
     reads = {x for n in update_nodes for x in list(n.input) + list(subgraph_inputs(n))}
     stray = sorted(reads & (set(inputs) - set(state_inputs)))

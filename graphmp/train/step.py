@@ -3,7 +3,8 @@
     FP32 master weights (inputs) -> [mixed/bf16: Casts placed by graphmp.convert]
       -> forward in training mode (BN batch statistics, Dropout on) -> loss (FP32, losses.py)
       -> backward seeded with the loss scale S -> gradients w.r.t. the masters (FP32)
-      -> / S -> [accumulation over grad_accum runs] -> one all-finite flag
+      -> all flattened into one buffer (update.py) -> / S -> [accumulation over grad_accum runs]
+      -> one all-finite flag
       -> [global-norm clipping] -> SGD / AdamW at the scheduled lr (optim.py)
       -> new state, applied only when finite -> S updated (dynamic scaling)
 
@@ -14,7 +15,7 @@ build_step takes a StepConfig (config.py; or the same keywords), then runs its p
 _load_source -> _forward_and_loss -> _select_weights -> _convert_precision -> _add_backward
 -> _add_update -> _set_outputs -> _finish (checks, inference graph, the run folder written).
 
-State naming (every state tensor is a graph input AND a graph output):
+State naming (per tensor, as train.json "state" lists it; the graph packs them, see below):
     input X                      -> output  X + NEXT ("X__next")
     <weight>                     trainable FP32 master weight (the model's initializer name,
                                  or a lifted Constant node's output name)
@@ -27,10 +28,17 @@ State naming (every state tensor is a graph input AND a graph output):
     accum_count                  int64 [], runs summed in the window so far (grad_accum > 1)
     loss_scale                   float32 [], S (dynamic scaling only; static S is a constant)
     loss_scale_clean_steps       int64 [], finite steps since S last changed (dynamic only)
+These are the logical state tensors (train.json "state"; state.npz and checkpoints hold them).
+The step graph itself takes the FP32 ones as a few flat 1-D buffers (graphmp.train.flat,
+train.json "flat"): flat__weights, flat__momentum or flat__exp_avg/_exp_avg_sq,
+flat__bn_stats, flat__accum, each with its X__next output, and the scalars above as they
+are; inside the graph every weight and BN statistic is a view of its buffer under its own
+name. flat.pack() turns the logical state into the graph's feeds, flat.next_state() the
+graph's outputs back into the logical state (loop.StepRunner does both).
 Other inputs: the model's data inputs and `labels`. Other outputs: `loss` (FP32, unscaled,
 the batch mean), `all_finite` (bool: the step was applied; with grad_accum > 1, on the
 runs between updates: this run's gradients were finite), and with expose_grads=True
-`<weight>__grad` (this run's unscaled, unclipped FP32 gradient).
+`<weight>__grad` (this run's unscaled, unclipped FP32 gradient, a view of flat__grad).
 
 A skipped step (some gradient inf/NaN) leaves every state tensor unchanged except the
 scale and its counter (and the accumulation window, which restarts); BN running
@@ -68,22 +76,18 @@ from ..errors import GraphmpError
 from ..model_io import iter_graphs, load_model, tensor_array
 from ..opset import upgrade
 from ..passes.prepare import initializers_out_of_inputs
-from . import losses, optim, source
+from . import losses, source
+from .flat import WEIGHTS, pack
 from .builder import (Builder, all_names, ancestors, dims, elem_name, lift_to_inputs, passes_full_check, producer,
                       prune, value_info)
 from .config import PRECISIONS, StepConfig
 from .losses import LOSS, LOSSES
-from .optim import ACCUM, ACCUM_COUNT
+from .optim import ACCUM_COUNT
 from .ort_checks import calibration_batch, check_runs, prove_runs
 from .runfiles import check_run_dir, write_run
 from .source import NON_TRAINABLE
+from .update import CLEAN, FINITE, GRAD, NEXT, SCALE, STEP, State, add_update, initial_state, set_outputs
 
-NEXT = "__next"
-GRAD = "__grad"
-STEP = "optimizer_step"
-SCALE = "loss_scale"
-CLEAN = "loss_scale_clean_steps"
-FINITE = "all_finite"
 MIN_OPSET = 13
 FORMAT = 1
 
@@ -158,13 +162,7 @@ class _Forward:
     warnings: list = field(default_factory=list)    # train.json warnings about the loss's choices
 
 
-@dataclass
-class _State:
-    """The step graph's state: (name, kind) pairs, their initial values, counts for train.json."""
-    dynamic: bool               # dynamic loss scaling (SCALE, CLEAN are state)
-    n_before: int               # nodes of the forward + loss, before the backward
-    pairs: list = field(default_factory=list)
-    init: dict = field(default_factory=dict)
+_State = State  # the old private name
 
 
 def _load_source(path: str, cfg: dict) -> _Source:
@@ -423,8 +421,8 @@ def _convert_precision(s: _Source, f: _Forward, cfg: dict, config: StepConfig) -
 
 def _add_backward(s: _Source, f: _Forward, cfg: dict, expose_grads: bool) -> tuple[Builder, dict, _State]:
     """Needs the (converted) forward + loss graph. Adds the loss-scale and step-counter inputs
-    and the backward seeded with the scale S; gives (the builder, {weight: unscaled FP32
-    gradient} (named <weight>__grad), the state with its counts)."""
+    and the backward seeded with the scale S; gives (the builder, {weight: FP32 gradient
+    scaled by S}, the state with its counts and st.scale)."""
     from .autodiff import add_backward
     from .measure import with_measure_note
     b, g = Builder(f.model), f.model.graph
@@ -444,72 +442,25 @@ def _add_backward(s: _Source, f: _Forward, cfg: dict, expose_grads: bool) -> tup
     missing = [w for w in f.weights if w not in grads_scaled]
     if missing:
         raise GraphmpError(f"{s.path}: no gradient was produced for {missing}")
-    # named <weight>__grad always (graph outputs only with expose_grads): the data-parallel
-    # split (graphmp.train.split) cuts the step there
-    grads = {w: b.op("Div", [grads_scaled[w], scale], out=w + GRAD) for w in f.weights}
-    return b, grads, st
+    st.scale = scale  # the update unscales the gradients once, all flattened together (update.py)
+    return b, grads_scaled, st
 
 
-def _add_update(s: _Source, f: _Forward, b: Builder, cfg: dict, grads: dict, st: _State) -> None:
-    """Needs the gradients. Adds the update (_update: accumulation, finiteness, clipping,
-    schedule, optimizer, loss scale) and its state inputs (moments, accumulation window);
-    fills st.pairs with every state tensor and its kind, each X__next output gated: applied
-    only when the step is (BN statistics: when this run is finite)."""
-    g = f.model.graph
-    new, applied, finite, accum_init = _update(b, cfg, grads, f.loss_t, st.dynamic)
-    for r in f.bn_stats:
-        new[r] = f.running[r]
-    moments = new.pop("__moments__")
-    for m in moments:
-        g.input.append(helper.make_tensor_value_info(m, TensorProto.FLOAT, list(s.values[moments[m]].shape)))
-    for a in accum_init:
-        g.input.append(helper.make_tensor_value_info(a, TensorProto.FLOAT if a != ACCUM_COUNT else TensorProto.INT64,
-                                                     [] if a == ACCUM_COUNT else list(s.values[accum_init[a]].shape)))
-    st.pairs = ([(w, "weight") for w in f.weights] + [(m, "moment") for m in moments]
-                + [(r, "bn") for r in f.bn_stats])
-    st.pairs += [(STEP, "counter")]
-    st.pairs += [(a, "accum" if a != ACCUM_COUNT else "counter") for a in accum_init]
-    for name, kind in st.pairs:
-        if kind == "accum" or name == ACCUM_COUNT:  # accumulate()'s next value already holds the update logic
-            b.op("Identity", [new[name]], out=name + NEXT)
-        else:
-            gate = finite if kind == "bn" else applied  # BN statistics follow each finite forward
-            b.op("Where", [gate, new[name], name], out=name + NEXT)
-    if st.dynamic:
-        st.pairs += [(SCALE, "scale"), (CLEAN, "counter")]
-    st.init = _initial_state(s, st.pairs, moments, accum_init, cfg)
-
-
-def _initial_state(s: _Source, pairs: list, moments: dict, accum_init: dict, cfg: dict) -> dict:
-    """{state tensor: initial value}: weights and BN statistics from the model, moments and
-    accumulators zero, S its init_scale, counters 0."""
-    init = {}
-    for name, kind in pairs:
-        if kind in ("weight", "bn"):
-            init[name] = s.values[name].astype(np.float32)
-        elif kind in ("moment", "accum"):
-            init[name] = np.zeros_like(s.values[moments.get(name) or accum_init[name]], dtype=np.float32)
-        elif name == SCALE:
-            init[name] = np.array(cfg["init_scale"], np.float32)
-        else:
-            init[name] = np.array(0, np.int64)
-    return init
+def _add_update(s: _Source, f: _Forward, cfg: dict, grads: dict, st: _State) -> None:
+    """Needs the scaled gradients. Adds the update over flat buffers (update.py: unscale,
+    accumulation, finiteness, clipping, schedule, optimizer, loss scale, the gated next
+    state) and fills the state: st.pairs (per tensor, train.json "state"), st.flat (the
+    buffers the step graph takes), st.init (per tensor, state.npz)."""
+    shapes = {n: s.values[n].shape for n in f.weights + f.bn_stats}
+    add_update(f.model, cfg, f.loss_t, f.weights, {r: f.running[r] for r in f.bn_stats}, grads, st, shapes,
+               s.path)
+    st.init = initial_state(s.values, st, cfg)
 
 
 def _set_outputs(f: _Forward, st: _State, expose_grads: bool) -> None:
-    """Needs the state (its initial values give the shapes). Sets the step graph's outputs:
-    loss, all_finite, every X__next (in the state's order), then <weight>__grad with
-    expose_grads."""
-    elem_of = {STEP: TensorProto.INT64, CLEAN: TensorProto.INT64, ACCUM_COUNT: TensorProto.INT64}
-    outputs = [helper.make_tensor_value_info(f.loss_t, TensorProto.FLOAT, []),
-               helper.make_tensor_value_info(FINITE, TensorProto.BOOL, [])]
-    outputs += [helper.make_tensor_value_info(name + NEXT, elem_of.get(name, TensorProto.FLOAT),
-                                              list(st.init[name].shape)) for name, _ in st.pairs]
-    if expose_grads:
-        outputs += [helper.make_tensor_value_info(w + GRAD, TensorProto.FLOAT, list(st.init[w].shape))
-                    for w in f.weights]
-    del f.model.graph.output[:]
-    f.model.graph.output.extend(outputs)
+    """The step graph's outputs: loss, all_finite, every X__next of its state, then
+    <weight>__grad with expose_grads (update.set_outputs)."""
+    set_outputs(f.model, f.loss_t, st, expose_grads)
 
 
 def _source_check_warnings(s: _Source) -> tuple[list, str | None]:
@@ -547,7 +498,8 @@ def _meta(s: _Source, f: _Forward, st: _State, cfg: dict, expose_grads: bool, wa
         "constant_weights": s.constants, "shared_weights": source.shared_weights(src, weights),
         "warnings": warnings,
         "grads": {w: w + GRAD for w in weights} if expose_grads else {},
-        "nodes": {"forward": st.n_before, "total": len(f.model.graph.node)}, "config": cfg,
+        "nodes": {"forward": st.n_before, "update": st.n_update, "total": len(f.model.graph.node)}, "config": cfg,
+        "flat": st.flat,
         "convert": None if f.convert_report is None else {
             k: f.convert_report.get(k) for k in ("nodes", "casts_added", "fp32_by_reason", "calibration")},
     }
@@ -557,13 +509,14 @@ def _finish(s: _Source, f: _Forward, st: _State, cfg: dict, config: StepConfig, 
     """Needs the finished step graph. Checks it (FP32 masters; ONNX Runtime loads and runs
     it), makes the inference graph for eval/export (the source model, trained tensors as
     inputs) and writes the run (train.json last); gives the train.json dict."""
-    _check_no_fp16_state(f.model, f.weights, s.path)
+    _check_no_fp16_state(f.model, [WEIGHTS], s.path)
     _generated_batch(s, f, cfg, config)  # before the load: a label shape the real output contradicts says so
     check_runs(f.model, s.path, bf16=cfg["precision"] == "bf16")
     infer = copy.deepcopy(s.model)
     lift_to_inputs(infer, f.weights + f.bn_stats)
     if f.generated is not None:
-        prove_runs(f.model, infer, s.path, f.generated, st.init, f.weights + f.bn_stats,
+        packed = pack({"state": [{"input": n} for n, _ in st.pairs], "flat": st.flat}, st.init)
+        prove_runs(f.model, infer, s.path, f.generated, {**st.init, **packed}, f.weights + f.bn_stats,
                    bf16=cfg["precision"] == "bf16")
     warnings, src_check = _source_check_warnings(s)
     meta = _meta(s, f, st, cfg, config.expose_grads, f.warnings + warnings)
@@ -633,48 +586,10 @@ def build_step(model, out_dir, config: StepConfig | None = None, **options) -> d
     _select_weights(s, f, config.trainable)
     _small_weight_warning(s, f, cfg)
     _convert_precision(s, f, cfg, config)
-    b, grads, st = _add_backward(s, f, cfg, config.expose_grads)
-    _add_update(s, f, b, cfg, grads, st)
+    _, grads, st = _add_backward(s, f, cfg, config.expose_grads)
+    _add_update(s, f, cfg, grads, st)
     _set_outputs(f, st, config.expose_grads)
     return _finish(s, f, st, cfg, config, out_dir)
-
-
-def _update(b: Builder, cfg: dict, grads: dict, loss_t: str, dynamic: bool):
-    """Accumulation, finiteness, clipping, schedule, optimizer and loss-scale update.
-    Returns ({state: new value ungated, "__moments__": {moment: weight}}, the `applied` flag
-    gating weights/moments/step, this run's finite flag (gates BN statistics),
-    {accumulation state: weight it mirrors (ACCUM_COUNT: None)})."""
-    n = cfg["grad_accum"]
-    accum_init, nxt = {}, {}
-    if n > 1:
-        micro_finite = optim.finite_flag(b, list(grads.values()) + [loss_t])
-        grads, update, nxt = optim.accumulate(b, grads, n)
-        window_finite = optim.finite_flag(b, list(grads.values()) + [loss_t])
-        applied = b.op("And", [update, window_finite])
-        # FINITE = update ? window_finite : micro_finite (ORT has no bool Where kernel)
-        b.op("Or", [applied, b.op("And", [b.op("Not", [update]), micro_finite])], out=FINITE)
-        accum_init = {w + ACCUM: w for w in grads}
-        accum_init[ACCUM_COUNT] = None
-    else:
-        applied = finite = optim.finite_flag(b, list(grads.values()) + [loss_t], out=FINITE)
-        micro_finite = finite
-    if cfg["clip_norm"] is not None:
-        grads = optim.clip(b, grads, cfg["clip_norm"])
-    step_next = b.op("Add", [STEP, b.const(1, np.int64)])
-    lr = optim.lr_tensor(b, cfg, STEP)
-    new, moments = optim.optimizer(b, cfg, grads, lr, b.op("Cast", [step_next], to=TensorProto.FLOAT))
-    new[STEP] = step_next
-    new.update(nxt)
-    new["__moments__"] = moments
-    if dynamic:
-        s_new, c_new = optim.scale_update(b, cfg, finite if n == 1 else window_finite, SCALE, CLEAN)
-        if n > 1:  # S changes only when a window ends, so a window's gradients share one S
-            b.op("Where", [update, s_new, SCALE], out=SCALE + NEXT)
-            b.op("Where", [update, c_new, CLEAN], out=CLEAN + NEXT)
-        else:
-            b.op("Identity", [s_new], out=SCALE + NEXT)
-            b.op("Identity", [c_new], out=CLEAN + NEXT)
-    return new, applied, micro_finite, accum_init
 
 
 def _check_no_fp16_state(model, weights, path):
