@@ -183,6 +183,7 @@ def test_embedding_sgd_step_matches_torch_with_repeated_ids(tmp_path):
     it. And the step is the same bits at 1, 2 and 4 intra-op threads."""
     torch = pytest.importorskip("torch")
     from fixtures.torch_embedding import Bag, export
+    from graphmp.train import flat
     from graphmp.train.loop import StepRunner, latest_state, load_run
     from graphmp.train.step import NEXT, build_step
 
@@ -207,7 +208,8 @@ def test_embedding_sgd_step_matches_torch_with_repeated_ids(tmp_path):
     for threads in THREADS:
         runner = StepRunner(run, meta, state, threads=threads)
         names = [o.name for o in runner.sess.get_outputs()]
-        outs.append(dict(zip(names, runner.sess.run(None, {**state, "x": ids, "labels": labels}))))
+        raw = dict(zip(names, runner.sess.run(None, {**flat.pack(meta, state), "x": ids, "labels": labels})))
+        outs.append({**raw, **{k + NEXT: v for k, v in flat.next_state(meta, raw).items()}})
     grad = outs[0][meta["grads"]["emb.weight"]].astype(np.float64)
     grad_rel = np.linalg.norm(grad - g64) / np.linalg.norm(g64)
     rel = np.linalg.norm(outs[0]["emb.weight" + NEXT] - before - want) / np.linalg.norm(want)

@@ -8,6 +8,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from graphmp.train import flat
 from graphmp.train.cuda_kernels import nodes_without_kernel
 from graphmp.train.loop import StepRunner, latest_state, load_run
 from graphmp.train.step import build_step
@@ -45,7 +46,8 @@ def test_loss_ops_and_values_at_each_opset(tmp_path, opset, picks_with):
     assert nodes_without_kernel(step) == []  # every node has an ORT CUDA kernel
     state, _ = latest_state(run)
     runner = StepRunner(run, meta, state)
-    out = dict(zip([o.name for o in runner.sess.get_outputs()], runner.sess.run(None, {**state, "x": x, "labels": y})))
+    feeds = {**flat.pack(meta, state), "x": x, "labels": y}
+    out = dict(zip([o.name for o in runner.sess.get_outputs()], runner.sess.run(None, feeds)))
 
     def loss_of(wm):
         return cross_entropy_ref(x.astype(np.float64) @ wm + bias, y, axis=-1, ignore_index=-100,
