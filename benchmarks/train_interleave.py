@@ -1,0 +1,192 @@
+"""The CPU timing protocol of the training-step benchmarks (train_cpu.py, train_heldout.py):
+torch eager and graphmp's StepRunner in ONE process, interleaved round by round, each timed
+step the same first optimizer step from the initial state.
+
+Why each rule (each one changed the measured ratios by 2-50x on a shared 2-core machine):
+- One process, engines interleaved round by round: load from other jobs hits every engine alike,
+  and only ratios from the same run are compared.
+- Every timed step starts from the initial state (reset untimed before the step): carrying the
+  state on over one fixed batch overfits it within ~10 steps, the gradients become denormal
+  floats, and every engine slows 10-50x. Denormals are flushed as well (torch.set_flush_denormal;
+  ORT session.set_denormal_as_zero).
+- ORT's worker threads do not spin-wait (session.intra_op.allow_spinning 0): idle sessions kept
+  alive beside the one being timed would otherwise spin and steal the cores from it.
+- A fixed thread count for both (OMP_NUM_THREADS set before torch is imported; torch
+  set_num_threads, StepRunner threads=).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+
+LR = 1e-3  # AdamW on both sides; weight decay 0 (graphmp's default, set on torch's side to match)
+
+
+def pin_threads(threads: int) -> None:
+    """Call before torch is imported: OpenMP reads OMP_NUM_THREADS once, at load."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+class Engine:
+    """One engine of a run: step() -> (loss, applied) runs one optimizer step; reset() puts the
+    initial state back (untimed)."""
+
+    def __init__(self, step, reset):
+        self.step, self.reset = step, reset
+
+
+def torch_engine(module, batch: dict, threads: int, token_classes: bool = False) -> Engine:
+    """torch eager FP32, AdamW lr LR. reset() restores the initial weights (BN statistics
+    included) and an AdamW state whose moments and step count are zero, so that every step
+    after it is AdamW's first step with the state already allocated (as ORT gets it)."""
+    import torch
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # set once per process; a second case finds it set
+        torch.set_num_interop_threads(1)
+    torch.set_flush_denormal(True)
+    module.train()
+    init = copy.deepcopy(module.state_dict())
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.0)
+    x, y = torch.from_numpy(batch["x"]), torch.from_numpy(batch["labels"])
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = module(x)
+        if token_classes:  # [N, T, C] against [N, T]: the mean over every token, as graphmp's loss
+            logits, target = logits.flatten(0, 1), y.flatten()
+        else:
+            target = y
+        loss = torch.nn.functional.cross_entropy(logits, target)
+        loss.backward()
+        opt.step()
+        return float(loss.detach()), True
+
+    step()  # allocates AdamW's state; zeroed below and restored before every timed step
+    for st in opt.state.values():
+        for v in st.values():
+            v.zero_()
+    opt_init = copy.deepcopy(opt.state_dict())
+
+    def reset():
+        module.load_state_dict(init)
+        opt.load_state_dict(opt_init)
+
+    reset()
+    return Engine(step, reset)
+
+
+def step_config(precision: str, **extra):
+    """The StepConfig `graphmp train-graph MODEL --precision P` gives (AdamW lr 1e-3,
+    dynamic loss scale), with `extra` flags on top."""
+    from graphmp.train.config import StepConfig
+    return StepConfig.from_kwargs(precision=precision, optimizer="adamw", lr=LR, **extra)
+
+
+def build(onnx_path: str, run_dir: str, precision: str, **extra) -> tuple[dict, float]:
+    """build_step into run_dir (replacing it); (train.json dict, seconds)."""
+    from graphmp.train.step import build_step
+    t0 = time.perf_counter()
+    meta = build_step(onnx_path, run_dir, step_config(precision, force=True, **extra))
+    return meta, time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def quiet_sessions():
+    """While open, every onnxruntime.SessionOptions made (StepRunner makes its own) flushes
+    denormals and has no spin-waiting worker threads (see the module docstring)."""
+    import onnxruntime as ort
+    orig = ort.SessionOptions
+
+    class QuietOptions(orig):
+        def __init__(self):
+            super().__init__()
+            self.add_session_config_entry("session.set_denormal_as_zero", "1")
+            self.add_session_config_entry("session.intra_op.allow_spinning", "0")
+
+    ort.SessionOptions = QuietOptions
+    try:
+        yield
+    finally:
+        ort.SessionOptions = orig
+
+
+def graphmp_engine(run_dir: str, batch: dict, threads: int) -> Engine:
+    """graphmp's StepRunner (public API, CPU provider, `threads` intra-op threads) on a built
+    run folder; reset() feeds the run's initial state again (StepRunner returns new arrays, so
+    the initial ones stay untouched)."""
+    from graphmp.train.loop import StepRunner, latest_state, load_run
+    meta = load_run(run_dir)
+    state, _ = latest_state(run_dir)
+    with quiet_sessions():
+        runner = StepRunner(run_dir, meta, state, providers=["CPUExecutionProvider"], threads=threads)
+    init = dict(runner.state)
+
+    def step():
+        loss, applied, _ = runner.step(batch)
+        return loss, applied
+
+    def reset():
+        runner.state = dict(init)
+
+    return Engine(step, reset)
+
+
+def interleave(engines: dict, rounds: int, warmup: int = 1, per_round: int = 1) -> dict:
+    """Time `engines` ({name: Engine}) round by round: `warmup` untimed steps each, then `rounds`
+    rounds of `per_round` timed steps of each engine in turn, each after an untimed reset().
+    {name: {"times_s": [...], "losses": [...], "applied": [...]}} (losses of the timed steps)."""
+    out = {k: {"times_s": [], "losses": [], "applied": []} for k in engines}
+    for e in engines.values():
+        for _ in range(warmup):
+            e.reset()
+            e.step()
+    for _ in range(rounds):
+        for name, e in engines.items():
+            for _ in range(per_round):
+                e.reset()
+                t0 = time.perf_counter()
+                loss, applied = e.step()
+                out[name]["times_s"].append(time.perf_counter() - t0)
+                out[name]["losses"].append(loss)
+                out[name]["applied"].append(bool(applied))
+    return out
+
+
+def row(timed: dict) -> dict:
+    """A JSON row of one engine's timed steps: median/min/max ms, the loss (the same every
+    step: the same step from the same state), whether the update was applied (False: the
+    dynamic loss scale overflowed and the step was skipped, as GradScaler skips it)."""
+    ms = [t * 1e3 for t in timed["times_s"]]
+    return {"median_ms": round(statistics.median(ms), 2), "min_ms": round(min(ms), 2), "max_ms": round(max(ms), 2),
+            "steps": len(ms), "loss": round(float(timed["losses"][-1]), 6),
+            "applied": all(timed["applied"])}
+
+
+def rel_diff(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def carried_losses(engine: Engine, steps: int) -> list:
+    """Losses of `steps` optimizer steps carrying the state on from the initial state; the
+    loss of step k+1 is the loss of the weights after k updates."""
+    engine.reset()
+    return [float(engine.step()[0]) for _ in range(steps)]
+
+
+def versions() -> dict:
+    import onnxruntime
+    out = {"python": sys.version.split()[0], "numpy": np.__version__, "onnxruntime": onnxruntime.__version__}
+    with contextlib.suppress(ImportError):
+        import torch
+        out["torch"] = torch.__version__
+    return out
