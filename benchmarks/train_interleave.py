@@ -39,7 +39,8 @@ def pin_threads(threads: int) -> None:
 
 class Engine:
     """One engine of a run: step() -> (loss, applied) runs one optimizer step; reset() puts the
-    initial state back (untimed)."""
+    initial state back (untimed). torch's step(update=False) computes the loss and gradients
+    and skips the optimizer, as GradScaler skips a step whose gradients overflowed."""
 
     def __init__(self, step, reset):
         self.step, self.reset = step, reset
@@ -59,7 +60,7 @@ def torch_engine(module, batch: dict, threads: int, token_classes: bool = False)
     opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.0)
     x, y = torch.from_numpy(batch["x"]), torch.from_numpy(batch["labels"])
 
-    def step():
+    def step(update: bool = True):
         opt.zero_grad(set_to_none=True)
         logits = module(x)
         if token_classes:  # [N, T, C] against [N, T]: the mean over every token, as graphmp's loss
@@ -68,18 +69,19 @@ def torch_engine(module, batch: dict, threads: int, token_classes: bool = False)
             target = y
         loss = torch.nn.functional.cross_entropy(logits, target)
         loss.backward()
-        opt.step()
-        return float(loss.detach()), True
+        if update:
+            opt.step()
+        return float(loss.detach()), update
 
-    step()  # allocates AdamW's state; zeroed below and restored before every timed step
-    for st in opt.state.values():
-        for v in st.values():
-            v.zero_()
-    opt_init = copy.deepcopy(opt.state_dict())
+    step()  # allocates AdamW's state, which reset() zeroes in place
 
     def reset():
-        module.load_state_dict(init)
-        opt.load_state_dict(opt_init)
+        module.load_state_dict(init)  # copies into the parameters and BN buffers
+        # in place: Optimizer.load_state_dict would adopt the saved tensors themselves, and the
+        # next steps would change the saved "initial" state
+        for st in opt.state.values():
+            for v in st.values():
+                v.zero_()
 
     reset()
     return Engine(step, reset)
@@ -176,11 +178,14 @@ def rel_diff(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def carried_losses(engine: Engine, steps: int) -> list:
-    """Losses of `steps` optimizer steps carrying the state on from the initial state; the
-    loss of step k+1 is the loss of the weights after k updates."""
+def carried_steps(engine: Engine, steps: int, updates: list | None = None) -> tuple[list, list]:
+    """(losses, applied flags) of `steps` optimizer steps carrying the state on from the
+    initial state; the loss of step k+1 is the loss of the weights after k updates.
+    updates: per step, whether to apply it (torch only: replays the steps another engine's
+    dynamic loss scale skipped)."""
     engine.reset()
-    return [float(engine.step()[0]) for _ in range(steps)]
+    done = [engine.step() if updates is None else engine.step(updates[i]) for i in range(steps)]
+    return [float(loss) for loss, _ in done], [bool(ok) for _, ok in done]
 
 
 def versions() -> dict:
