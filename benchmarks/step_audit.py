@@ -3,7 +3,7 @@
 build_step) at a fixed batch: node counts by phase and op type, and the bytes moved by the
 non-GEMM nodes (the memory-bound part of the step: elementwise, normalization, the optimizer).
 
-    python benchmarks/step_audit.py RUN_DIR --batch 4 [--json out.json]
+    python benchmarks/step_audit.py RUN_DIR [RUN_DIR...] --batch 4 [--json out.json]
     from step_audit import audit_run; audit_run(run_dir, batch=4)
 
 Phases: forward = the first train.json nodes.forward nodes (forward + loss), backward = the
@@ -189,21 +189,27 @@ def audit_run(run_dir: str, batch: int, top: int = 15, run_shapes: bool = True) 
             "nodes_unknown_shapes": unknown, "shapes": "run-time shape values" if run_shapes else "inference only"}
 
 
+def summary(a: dict) -> str:
+    return (f"{os.path.basename(a['run'])} (batch {a['batch']}): nodes {a['nodes']}, non-GEMM {a['non_gemm_mb']} MB "
+            f"{a['non_gemm_mb_by_phase']}, Casts {a['cast_mb']} MB, unknown shapes {a['nodes_unknown_shapes']}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dir")
+    ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--top", type=int, default=15, help="how many op type:phase rows to list")
     ap.add_argument("--no-run", action="store_true", help="shape inference only (no ORT run for the run-time "
                     "shape values; some backward shapes stay unknown)")
-    ap.add_argument("--json")
+    ap.add_argument("--json", help="write {run folder name: audit} here")
     a = ap.parse_args(argv)
-    out = audit_run(a.run_dir, a.batch, a.top, run_shapes=not a.no_run)
-    text = json.dumps(out, indent=1)
-    print(text)
+    out = {}
+    for run in a.run_dirs:
+        out[os.path.basename(os.path.abspath(run))] = res = audit_run(run, a.batch, a.top, run_shapes=not a.no_run)
+        print(summary(res), flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            f.write(text + "\n")
+            json.dump(out, f, indent=1)
     return 0
 
 

@@ -2,10 +2,11 @@
 """The training-speed yardstick on the CPU: graphmp's step (ORT CPU, FP32 and mixed) against
 torch eager FP32 on the same model, batch, initial weights and thread count, interleaved in one
 process (the protocol of benchmarks/train_interleave.py: every timed step is AdamW's first
-step from the initial state; denormals flushed; no spinning ORT threads). Goal: graphmp's step
-<= 1.2x torch's, FP32 and mixed.
+step from the initial state; denormals flushed; no spinning ORT threads; the script restarts
+itself once with OMP_NUM_THREADS and glibc malloc settings, train_interleave.protocol_env).
+Goal: graphmp's step <= 1.2x torch's, FP32 and mixed.
 
-    OMP_NUM_THREADS=1 python benchmarks/train_cpu.py [--cases resnet50,resnet18,bert]
+    python benchmarks/train_cpu.py [--cases resnet50,resnet18,bert]
         [--rounds 3] [--warmup 1] [--threads 1] [--json benchmarks/results/train_cpu.json] [--tiny]
 
 Cases:
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", help="folder for the exported models and run folders (default: a temporary one)")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "train_cpu.json"))
     args = ap.parse_args(argv)
-    ti.pin_threads(args.threads)
+    env = ti.enter_protocol_env(args.threads, reexec=argv is None)
     specs = cases(args.tiny)
     names = args.cases.split(",")
     bad = [n for n in names if n not in specs]
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
     work = args.work or tempfile.mkdtemp(prefix="graphmp-train-cpu-")
     os.makedirs(work, exist_ok=True)
     out = {"schema": "train_cpu/1", "host": platform.node(), "cpu_count": os.cpu_count(), **ti.versions(),
-           "threads": args.threads, "rounds": args.rounds, "warmup": args.warmup, "tiny": args.tiny,
+           "threads": args.threads, "env": env, "rounds": args.rounds, "warmup": args.warmup, "tiny": args.tiny,
            "optimizer": f"AdamW lr {ti.LR}, weight decay 0, both engines", "goal_max_ratio": GOAL, "work": work,
            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "cases": {}}
     for name in names:

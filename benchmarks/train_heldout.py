@@ -3,7 +3,7 @@
 torch, built as steps (FP32 and mixed) through the public API, run next to torch eager FP32
 from the same weights (AdamW lr 1e-3) on the CPU.
 
-    OMP_NUM_THREADS=1 python benchmarks/train_heldout.py [--models resnet34,resnext,tagger]
+    python benchmarks/train_heldout.py [--models resnet34,resnext,tagger]
         [--steps 5] [--rounds 3] [--threads 1] [--json benchmarks/results/train_heldout.json] [--tiny]
 
 Models:
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", help="folder for the exported models and run folders (default: a temporary one)")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "train_heldout.json"))
     args = ap.parse_args(argv)
-    ti.pin_threads(args.threads)
+    env = ti.enter_protocol_env(args.threads, reexec=argv is None)
     specs = models(args.tiny)
     names = args.models.split(",")
     bad = [n for n in names if n not in specs]
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown model(s) {bad}; choose from {sorted(specs)}")
     work = args.work or tempfile.mkdtemp(prefix="graphmp-train-heldout-")
     os.makedirs(work, exist_ok=True)
-    out = {"schema": "train_heldout/1", "host": platform.node(), **ti.versions(), "threads": args.threads,
+    out = {"schema": "train_heldout/1", "host": platform.node(), **ti.versions(), "threads": args.threads, "env": env,
            "steps": args.steps, "rounds": args.rounds, "tiny": args.tiny,
            "optimizer": f"AdamW lr {ti.LR}, weight decay 0, both engines", "work": work,
            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "models": {}}

@@ -12,7 +12,8 @@ Why each rule (each one changed the measured ratios by 2-50x on a shared 2-core 
 - ORT's worker threads do not spin-wait (session.intra_op.allow_spinning 0): idle sessions kept
   alive beside the one being timed would otherwise spin and steal the cores from it.
 - A fixed thread count for both (OMP_NUM_THREADS set before torch is imported; torch
-  set_num_threads, StepRunner threads=).
+  set_num_threads, StepRunner threads=), and malloc settings that keep freed memory in the
+  process (protocol_env).
 """
 from __future__ import annotations
 
@@ -32,9 +33,26 @@ sys.path.insert(0, REPO)
 LR = 1e-3  # AdamW on both sides; weight decay 0 (graphmp's default, set on torch's side to match)
 
 
-def pin_threads(threads: int) -> None:
-    """Call before torch is imported: OpenMP reads OMP_NUM_THREADS once, at load."""
-    os.environ["OMP_NUM_THREADS"] = str(threads)
+def protocol_env(threads: int) -> dict:
+    """The environment the protocol runs in: OMP_NUM_THREADS (OpenMP reads it once, at load),
+    and glibc malloc settings that keep freed memory in the process (no trimming back to the
+    OS, no fresh mmap per large block below 32 MB): otherwise each step's large tensors
+    page-fault again, and the faults land on whichever engine allocates next."""
+    return {"OMP_NUM_THREADS": str(threads), "MALLOC_MMAP_THRESHOLD_": "33554432",
+            "MALLOC_TRIM_THRESHOLD_": "100000000000"}
+
+
+def enter_protocol_env(threads: int, reexec: bool) -> dict:
+    """Make this process run in protocol_env(threads). The malloc settings are read when the
+    process starts, so with `reexec` (a command-line run) the script restarts itself once
+    with them set; without it (an in-process call, e.g. a test) only OMP_NUM_THREADS is set,
+    which takes effect when torch has not been imported yet. Returns the settings in force."""
+    want = protocol_env(threads)
+    if reexec and any(os.environ.get(k) != v for k, v in want.items()):
+        os.environ.update(want)
+        os.execv(sys.executable, [sys.executable] + sys.argv)
+    os.environ["OMP_NUM_THREADS"] = want["OMP_NUM_THREADS"]
+    return {k: os.environ.get(k) for k in want}
 
 
 class Engine:
