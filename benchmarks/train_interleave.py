@@ -56,12 +56,13 @@ def enter_protocol_env(threads: int, reexec: bool) -> dict:
 
 
 class Engine:
-    """One engine of a run: step() -> (loss, applied) runs one optimizer step; reset() puts the
-    initial state back (untimed). torch's step(update=False) computes the loss and gradients
-    and skips the optimizer, as GradScaler skips a step whose gradients overflowed."""
+    """One engine of a run: step() -> (loss, applied) runs one optimizer step on the engine's
+    fixed batch (step(feed=batch): on another one); reset() puts the initial state back
+    (untimed). torch's step(update=False) computes the loss and gradients and skips the
+    optimizer, as GradScaler skips a step whose gradients overflowed."""
 
-    def __init__(self, step, reset):
-        self.step, self.reset = step, reset
+    def __init__(self, step, reset, perturb=None):
+        self.step, self.reset, self.perturb = step, reset, perturb
 
 
 def torch_engine(module, batch: dict, threads: int, token_classes: bool = False) -> Engine:
@@ -76,9 +77,11 @@ def torch_engine(module, batch: dict, threads: int, token_classes: bool = False)
     module.train()
     init = copy.deepcopy(module.state_dict())
     opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.0)
-    x, y = torch.from_numpy(batch["x"]), torch.from_numpy(batch["labels"])
+    fixed = {k: torch.from_numpy(v) for k, v in batch.items()}
 
-    def step(update: bool = True):
+    def step(update: bool = True, feed: dict | None = None):
+        x, y = (fixed["x"], fixed["labels"]) if feed is None else (torch.from_numpy(feed["x"]),
+                                                                   torch.from_numpy(feed["labels"]))
         opt.zero_grad(set_to_none=True)
         logits = module(x)
         if token_classes:  # [N, T, C] against [N, T]: the mean over every token, as graphmp's loss
@@ -101,8 +104,15 @@ def torch_engine(module, batch: dict, threads: int, token_classes: bool = False)
             for v in st.values():
                 v.zero_()
 
+    def perturb(rel: float):
+        """Scale every weight by (1 + rel * N(0, 1)), seeded: rounding-sized noise."""
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.mul_(1 + rel * torch.randn(p.shape, generator=g))
+
     reset()
-    return Engine(step, reset)
+    return Engine(step, reset, perturb)
 
 
 def step_config(precision: str, **extra):
@@ -151,8 +161,8 @@ def graphmp_engine(run_dir: str, batch: dict, threads: int) -> Engine:
         runner = StepRunner(run_dir, meta, state, providers=["CPUExecutionProvider"], threads=threads)
     init = dict(runner.state)
 
-    def step():
-        loss, applied, _ = runner.step(batch)
+    def step(feed: dict | None = None):
+        loss, applied, _ = runner.step(batch if feed is None else feed)
         return loss, applied
 
     def reset():
@@ -196,13 +206,16 @@ def rel_diff(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def carried_steps(engine: Engine, steps: int, updates: list | None = None) -> tuple[list, list]:
-    """(losses, applied flags) of `steps` optimizer steps carrying the state on from the
-    initial state; the loss of step k+1 is the loss of the weights after k updates.
-    updates: per step, whether to apply it (torch only: replays the steps another engine's
-    dynamic loss scale skipped)."""
+def carried_steps(engine: Engine, feeds: list, updates: list | None = None, perturb: float = 0.0) -> tuple[list, list]:
+    """(losses, applied flags) of one optimizer step per batch of `feeds`, carrying the state
+    on from the initial state; the loss of step k+1 is the loss of the weights after k updates.
+    updates: per step, whether to apply it; perturb: start from weights scaled by (1 + perturb
+    * noise) (both torch only: replaying the steps another engine's loss scale skipped, and
+    measuring how much rounding-sized differences grow over the steps)."""
     engine.reset()
-    done = [engine.step() if updates is None else engine.step(updates[i]) for i in range(steps)]
+    if perturb:
+        engine.perturb(perturb)
+    done = [engine.step(feed=f) if updates is None else engine.step(updates[i], feed=f) for i, f in enumerate(feeds)]
     return [float(loss) for loss, _ in done], [bool(ok) for _, ok in done]
 
 

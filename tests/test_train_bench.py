@@ -85,8 +85,9 @@ def test_heldout_tiny_losses_agree(tmp_path):
             assert a["agree"] is True and {"after_1", "after_3", "skipped"} <= set(a), a
             assert len(a["graphmp_losses"]) == len(m["torch_losses"][prec]) == 4
             assert m["rows"][f"graphmp-{prec}"]["steps"] == 1
-        # the carried steps train: the loss falls on the fixed batch
-        assert m["losses"]["fp32"]["graphmp_losses"][-1] < m["losses"]["fp32"]["graphmp_losses"][0]
+    # and the judgement would catch a step that drifts: 2% after the last update is not FP32 agreement
+    assert train_heldout.loss_agreement([2.0, 1.9, 1.8], [2.0, 1.9, 1.8 * 1.02], 0, "fp32")["agree"] is False
+    assert train_heldout.loss_agreement([2.0, 1.9, 1.8], [2.0, 1.9, 1.8 * 1.0001], 0, "fp32")["agree"] is True
 
 
 def test_train_gpu_dry_run(tmp_path):
