@@ -30,7 +30,7 @@ CUDA AMP; the `targets` section of the JSON checks both).
 
 Usage:
   python benchmarks/train.py [--device auto|cpu|cuda] [--steps 30] [--warmup 5] [--models cnn,block]
-                             [--tiny] [--json benchmarks/results/train.json] [--no-curves]
+                             [--tiny] [--json benchmarks/results/train.json] [--no-curves] [--work DIR]
 Models (torch needed to export them; without torch only `tiny-cnn`, built with onnx.helper):
   cnn        tests/fixtures/torch_models.CNN(cin=3, width=32, size=32, classes=10), batch 64 of 3x32x32
   block      tests/fixtures/torch_models.Block(d=128, heads=4, classes=10), batch 32 of 64 tokens x 128
@@ -490,6 +490,8 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="the GPU-sized cases at toy size (CPU checks)")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "train.json"))
     ap.add_argument("--no-curves", action="store_true")
+    ap.add_argument("--work", help="folder for the exported models and the step run folders <model>-<precision> "
+                    "(default: a new temporary folder)")
     ap.add_argument("--one", nargs=4, metavar=("MODEL", "ENGINE", "PRECISION", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -511,7 +513,8 @@ def main(argv=None):
         torch_cuda = torch.cuda.is_available()
     names, engines = plan(args, torch_ok, torch_cuda, cuda_available())
     specs = model_specs(args.tiny)
-    work = tempfile.mkdtemp(prefix="graphmp-bench-train-")
+    work = args.work or tempfile.mkdtemp(prefix="graphmp-bench-train-")
+    os.makedirs(work, exist_ok=True)
     paths = _prepare_models(names, work, args.tiny)
     out = {"host": platform.node(), "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
            "device": args.device, "tiny": args.tiny, "steps": args.steps, "warmup": args.warmup,
@@ -533,7 +536,8 @@ def main(argv=None):
         for prec in ("fp32", "mixed"):
             run_dirs[prec] = os.path.join(work, f"{name}-{prec}")
             t0 = time.perf_counter()
-            meta = build_step(paths[name], run_dirs[prec], precision=prec, optimizer="adamw", lr=1e-3)
+            meta = build_step(paths[name], run_dirs[prec], precision=prec, optimizer="adamw", lr=1e-3,
+                              force=bool(args.work))
             out.setdefault("build_seconds", {})[f"{name}-{prec}"] = round(time.perf_counter() - t0, 2)
             out.setdefault("step_graph_nodes", {})[f"{name}-{prec}"] = meta["nodes"]["total"]
         for engine, prec in engines:

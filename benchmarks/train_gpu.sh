@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The training-step measurement for a GPU machine, one command (the GPU half of the
+# training-speed issue; the CPU half is benchmarks/train_cpu.py):
+#
+#   benchmarks/train_gpu.sh [--out DIR] [--steps 20] [--warmup 5]
+#   benchmarks/train_gpu.sh --dry-run [--out DIR]   # the same code on the CPU at toy size (< 60 s)
+#
+# 1. Installs the GPU extra from the wheels it is given (onnxruntime-gpu in parts, other
+#    wheels), exactly as benchmarks/gpu_check.sh does (the shared benchmarks/_gpu_site.sh).
+# 2. benchmarks/train.py --device cuda --models resnet50,bert-base: ResNet-50 (batch 32 of
+#    3x224x224) and BERT-base (12 layers d 768, batch 32 x 128 tokens) training steps on ORT
+#    CUDA (graphmp's step, FP32 and mixed, state bound on the GPU) and torch CUDA (FP32 and
+#    AMP FP16 + GradScaler), AdamW lr 1e-3, each engine in its own process (median of --steps
+#    after --warmup). Targets (the `targets` section of the JSON): ORT mixed >= 1.5x its FP32
+#    step, and within 1.2x torch AMP. -> DIR/train_gpu.json
+# 3. benchmarks/step_audit.py on the four step graphs at batch 32: nodes by phase, MB moved by
+#    the non-GEMM nodes. -> DIR/audit.json ({run folder name: audit})
+# --dry-run: train.py --device cpu --tiny (the same models at toy size, batch 4, ORT CPU and
+# torch CPU), 2 timed steps, the audit at batch 4: it checks that the script runs; its numbers
+# say nothing about a GPU.
+# Exit 0 done, 1 a row failed, 2 cannot run (no CUDA provider, bad wheel parts).
+set -euo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
+
+OUT=benchmarks/results/train_gpu
+STEPS=20
+WARMUP=5
+DRY=0
+while (($#)); do
+  case $1 in
+    --out) OUT=$2; shift 2 ;;
+    --steps) STEPS=$2; shift 2 ;;
+    --warmup) WARMUP=$2; shift 2 ;;
+    --dry-run) DRY=1; shift ;;
+    *) echo "train_gpu: unknown argument $1 (--out DIR, --steps N, --warmup N, --dry-run)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT"
+
+if ((DRY)); then
+  # shellcheck source=benchmarks/_gpu_site.sh
+  source "$REPO/benchmarks/_gpu_site.sh" --dry-run
+  export OMP_NUM_THREADS=1  # toy sizes: more threads only fight over a shared CPU
+  device=(--device cpu --tiny)
+  STEPS=2
+  WARMUP=1
+  BATCH=4
+else
+  # shellcheck source=benchmarks/_gpu_site.sh
+  source "$REPO/benchmarks/_gpu_site.sh"
+  device=(--device cuda)
+  BATCH=32
+fi
+
+rc=0
+"$PY" benchmarks/train.py "${device[@]}" --models resnet50,bert-base --steps "$STEPS" --warmup "$WARMUP" \
+  --no-curves --json "$OUT/train_gpu.json" --work "$OUT/runs" || rc=$?
+if ((rc == 2)); then exit 2; fi
+runs=()
+for m in resnet50 bert-base; do
+  for p in fp32 mixed; do
+    if [[ -f $OUT/runs/$m-$p/train.json ]]; then runs+=("$OUT/runs/$m-$p"); fi
+  done
+done
+if ((${#runs[@]})); then
+  "$PY" benchmarks/step_audit.py "${runs[@]}" --batch "$BATCH" --json "$OUT/audit.json" || rc=1
+fi
+echo "train_gpu: wrote $OUT/train_gpu.json and $OUT/audit.json"
+exit $rc

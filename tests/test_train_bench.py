@@ -1,0 +1,107 @@
+"""The training-speed benchmarks at toy size (benchmarks/train_cpu.py, train_heldout.py,
+step_audit.py, train_gpu.sh --dry-run): they run, their JSON has the keys
+benchmarks/README.md documents, both engines compute the same losses. No timing is asserted."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import step_audit  # noqa: E402
+import train_cpu  # noqa: E402
+import train_heldout  # noqa: E402
+import train_interleave  # noqa: E402
+
+ROW_KEYS = {"median_ms", "min_ms", "max_ms", "steps", "loss", "applied"}
+AUDIT_KEYS = {"nodes", "nodes_by_op_phase", "non_gemm_mb", "non_gemm_mb_by_phase", "non_gemm_mb_by_op_phase",
+              "cast_mb", "nodes_unknown_shapes", "batch"}
+
+
+def _check_audit(a: dict, run_dir: str):
+    assert AUDIT_KEYS <= set(a)
+    meta = json.load(open(os.path.join(run_dir, "train.json")))
+    n = a["nodes"]
+    assert n["forward"] == meta["nodes"]["forward"] and n["total"] == meta["nodes"]["total"]
+    assert n["forward"] + n["backward"] + n["update"] == n["total"] and min(n.values()) > 0
+    assert a["non_gemm_mb"] > 0
+    assert abs(sum(a["non_gemm_mb_by_phase"].values()) - a["non_gemm_mb"]) < 0.5
+
+
+def test_train_cpu_tiny_json(tmp_path):
+    out = tmp_path / "cpu.json"
+    assert train_cpu.main(["--tiny", "--cases", "resnet18,bert", "--rounds", "2", "--work", str(tmp_path / "w"),
+                           "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["cases"]) == {"resnet18", "bert"} and res["threads"] == 1
+    for name, case in res["cases"].items():
+        assert set(case["rows"]) == {"torch-fp32", "graphmp-fp32", "graphmp-mixed"}
+        for row in case["rows"].values():
+            assert ROW_KEYS <= set(row) and row["steps"] == 2 and row["min_ms"] <= row["median_ms"] <= row["max_ms"]
+        assert set(case["ratios"]) == {"graphmp_fp32_vs_torch", "graphmp_mixed_vs_torch", "graphmp_mixed_vs_fp32"}
+        # the same first AdamW step from the same weights: the engines' losses agree
+        assert case["losses"]["fp32"]["agree"] and case["losses"]["mixed"]["agree"], case["losses"]
+        for prec in ("fp32", "mixed"):
+            _check_audit(case["step_graph"][prec], os.path.join(res["work"], f"{name}-{prec}"))
+        # mixed adds Casts; FP32 has none
+        assert case["step_graph"]["fp32"]["cast_mb"] == 0 < case["step_graph"]["mixed"]["cast_mb"]
+
+
+def test_audit_pins_the_batch(tmp_path):
+    """The bytes moved grow with the pinned batch, and run-time shape values resolve every
+    shape of a CNN step (strided convolutions' backward included)."""
+    import torch
+    import train_nets
+    torch.manual_seed(0)
+    spec = train_cpu.cases(tiny=True)["resnet18"]
+    path = train_nets.export(spec["make"](), train_nets.make_batch(spec), str(tmp_path / "m.onnx"))
+    run = str(tmp_path / "run")
+    train_interleave.build(path, run, "fp32")
+    small, big = step_audit.audit_run(run, 2), step_audit.audit_run(run, 8)
+    _check_audit(small, run)
+    assert small["nodes_unknown_shapes"] == 0 and big["nodes_unknown_shapes"] == 0
+    assert big["non_gemm_mb_by_phase"]["forward"] > 3 * small["non_gemm_mb_by_phase"]["forward"]
+    assert big["nodes"] == small["nodes"]
+    assert step_audit.audit_run(run, 2, run_shapes=False)["nodes_unknown_shapes"] > 0  # what the run adds
+
+
+def test_heldout_tiny_losses_agree(tmp_path):
+    out = tmp_path / "heldout.json"
+    rc = train_heldout.main(["--tiny", "--models", "tagger,resnext", "--steps", "3", "--rounds", "1",
+                             "--work", str(tmp_path / "w"), "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["failed"] == []
+    for name in ("tagger", "resnext"):
+        m = res["models"][name]
+        for prec in ("fp32", "mixed"):
+            a = m["losses"][prec]
+            assert a["agree"] is True and {"after_1", "after_3", "skipped"} <= set(a), a
+            assert len(a["graphmp_losses"]) == len(m["torch_losses"][prec]) == 4
+            assert m["rows"][f"graphmp-{prec}"]["steps"] == 1
+    # and the judgement would catch a step that drifts: 2% after the last update is not FP32 agreement
+    assert train_heldout.loss_agreement([2.0, 1.9, 1.8], [2.0, 1.9, 1.8 * 1.02], 0, "fp32")["agree"] is False
+    assert train_heldout.loss_agreement([2.0, 1.9, 1.8], [2.0, 1.9, 1.8 * 1.0001], 0, "fp32")["agree"] is True
+
+
+def test_train_gpu_dry_run(tmp_path):
+    out = tmp_path / "gpu"
+    env = dict(os.environ, PYTHON=sys.executable)
+    p = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "train_gpu.sh"), "--dry-run", "--out", str(out)],
+                       capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    res = json.loads((out / "train_gpu.json").read_text())
+    rows = {(r["model"], r["engine"], r["precision"]): r for r in res["results"]}
+    for model in ("resnet50", "bert-base"):
+        for key in (("ort-cpu", "fp32"), ("ort-cpu", "mixed"), ("torch-cpu", "fp32")):
+            assert rows[(model,) + key]["median_ms"] > 0, rows.get((model,) + key)
+    audit = json.loads((out / "audit.json").read_text())
+    assert set(audit) == {f"{m}-{p}" for m in ("resnet50", "bert-base") for p in ("fp32", "mixed")}
+    for name, a in audit.items():
+        _check_audit(a, str(out / "runs" / name))
