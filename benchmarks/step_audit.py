@@ -6,8 +6,9 @@ non-GEMM nodes (the memory-bound part of the step: elementwise, normalization, t
     python benchmarks/step_audit.py RUN_DIR [RUN_DIR...] --batch 4 [--json out.json]
     from step_audit import audit_run; audit_run(run_dir, batch=4)
 
-Phases: forward = the first train.json nodes.forward nodes (forward + loss), backward = the
-nodes named grad/..., update = the rest (optimizer, loss scale, gating). Shapes: onnx shape
+Phases: update = the nodes named update/... (the flat state's views, first in the graph) and
+the nodes after the backward (optimizer, loss scale, gating); forward = the first train.json
+nodes.forward of the others (forward + loss); backward = the nodes named grad/.... Shapes: onnx shape
 inference (data_prop) with the batch dims of the data inputs and labels pinned to --batch.
 Bytes of a node = the sizes of all its inputs and outputs; GEMM-like nodes (Conv,
 ConvTranspose, MatMul, Gemm, Einsum) are left out (compute-bound), as are nodes that move no
@@ -59,6 +60,7 @@ def _shape_values(m, run_dir: str, meta: dict, batch: int) -> dict:
     import onnxruntime as ort
     from onnx import TensorProto
     sys.path.insert(0, REPO)
+    from graphmp.train import flat
     from graphmp.train.loop import latest_state
     known = {t.name for t in m.graph.initializer} | {i.name for i in m.graph.input}
     small = {v.name for v in m.graph.value_info if v.type.tensor_type.elem_type == TensorProto.INT64
@@ -67,7 +69,7 @@ def _shape_values(m, run_dir: str, meta: dict, batch: int) -> dict:
     probe = onnx.ModelProto()
     probe.CopyFrom(m)
     probe.graph.output.extend([onnx.helper.make_empty_tensor_value_info(t) for t in wanted])
-    feeds = dict(latest_state(run_dir)[0])
+    feeds = flat.pack(meta, latest_state(run_dir)[0])  # the step graph's own state (flat buffers)
     dims = {k: [batch if isinstance(d, str) else d for d in v] for k, v in meta["inputs"].items()}
     dims[meta["label"]["name"]] = [batch if isinstance(d, str) else d for d in meta["label"]["shape"]]
     types = dict(meta.get("input_types", {}), **{meta["label"]["name"]: meta["label"]["dtype"]})
@@ -143,8 +145,19 @@ def _fill_elementwise(m, shapes: dict) -> None:
 
 
 def _phases(m, n_forward: int) -> list:
-    return ["forward" if i < n_forward else ("backward" if n.name.startswith("grad/") else "update")
-            for i, n in enumerate(m.graph.node)]
+    """The phase of each node. The flat state's views (nodes named update/..., put first in
+    the graph after nodes.forward was counted) belong to the update; of the other nodes the
+    first n_forward are the forward + loss."""
+    phases, forward = [], 0
+    for n in m.graph.node:
+        if n.name.startswith("update/"):
+            phases.append("update")
+        elif forward < n_forward:
+            phases.append("forward")
+            forward += 1
+        else:
+            phases.append("backward" if n.name.startswith("grad/") else "update")
+    return phases
 
 
 def audit_run(run_dir: str, batch: int, top: int = 15, run_shapes: bool = True) -> dict:
