@@ -425,7 +425,7 @@ def _add_backward(s: _Source, f: _Forward, cfg: dict, expose_grads: bool) -> tup
     """Needs the (converted) forward + loss graph. Adds the loss-scale and step-counter inputs
     and the backward seeded with the scale S; gives (the builder, {weight: unscaled FP32
     gradient} (named <weight>__grad), the state with its counts)."""
-    from .autodiff import add_backward
+    from .autodiff import add_backward, batchnorm_params_to_x_type
     from .measure import with_measure_note
     b, g = Builder(f.model), f.model.graph
     st = _State(dynamic=cfg["loss_scale"] == "dynamic", n_before=0)
@@ -441,6 +441,10 @@ def _add_backward(s: _Source, f: _Forward, cfg: dict, expose_grads: bool) -> tup
         grads_scaled = add_backward(f.model, f.loss_t, f.weights, seed=scale)
     except GraphmpError as e:
         raise with_measure_note(e, f.measured, s.path) from None
+    if f.convert_report is not None:  # FP16 X with FP32 parameters has no CUDA kernel
+        n = len(g.node)
+        batchnorm_params_to_x_type(f.model)
+        st.n_before += len(g.node) - n  # the nodes it adds compute forward [C] vectors
     missing = [w for w in f.weights if w not in grads_scaled]
     if missing:
         raise GraphmpError(f"{s.path}: no gradient was produced for {missing}")
