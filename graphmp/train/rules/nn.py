@@ -313,6 +313,22 @@ def batch_norm(em, node, g):
     return out
 
 
+def _statistics_input(em: Emitter, x: str, mean: str, cdt: int) -> str:
+    """X in the statistics' type: the tensor the forward's ReduceMean of the batch mean read
+    (in a mixed build, the FP32 Cast of the FP16 X that convert put there) when it is X or a
+    Cast of X, else a new Cast. Reading the forward's copy spares the backward a pass over X
+    (the copy lives until the backward instead of the FP16 X: the FP32 build's memory)."""
+    producers = em._cache.setdefault("producers", {})
+    if not producers:
+        producers.update({o: n for n in em.graph.node for o in n.output})
+    stat = producers.get(mean)
+    src = stat.input[0] if stat is not None and stat.op_type == "ReduceMean" else None
+    if src == x or (src in producers and producers[src].op_type == "Cast" and producers[src].input[0] == x
+                    and attr(producers[src], "to") == cdt):
+        return src
+    return em.cast(x, cdt, em.dtype(x))
+
+
 def _batch_norm_training(em: Emitter, node, gy: str) -> list:
     """Gradient of the training form Y = (X - mean) * invstd * scale + B, mean and var the
     batch statistics of X over the M elements of each channel (the statistics' own nodes get
@@ -333,7 +349,7 @@ def _batch_norm_training(em: Emitter, node, gy: str) -> list:
     xdt, sdt, cdt = em.dtype(x), em.dtype(scale), em.dtype(mean)
     chan = [0] + list(range(2, em.rank(x)))
     inv = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [var, em.const(attr(node, "epsilon", 1e-5), cdt)])])])
-    gf, xf = em.cast(gy, cdt, xdt), em.cast(x, cdt, xdt)
+    gf, xf = em.cast(gy, cdt, xdt), _statistics_input(em, x, mean, cdt)
     s1 = em.reduce("ReduceSum", gf, chan, keepdims=0)
     s2 = em.reduce("ReduceSum", em.op("Mul", [gf, xf]), chan, keepdims=0)
     dscale = em.op("Mul", [inv, em.op("Sub", [s2, em.op("Mul", [mean, s1])])])
