@@ -53,6 +53,7 @@ from ..opset import default_opset
 from .builder import subgraph_inputs
 from .emitter import Emitter, attr, tensor_info
 from .rules import RULES, ZERO_GRAD
+from .rules.common import per_channel_count
 from .rules.nn import BATCH_MEAN, BATCH_VAR
 
 __all__ = ["MIN_OPSET", "add_backward", "training_forward", "batchnorm_params_to_x_type", "Emitter", "attr", "tensor_info"]
@@ -216,15 +217,6 @@ def _float_attr(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _per_channel_count(em: Emitter, x: str, chan: list[int], dtype: int) -> str:
-    """M, the elements of x per channel (axes `chan`), as a scalar of `dtype`: a constant
-    when those axes are static, else Size(x) / C at run time."""
-    dims = em.dims(x)
-    if dims is not None and all(isinstance(dims[a], int) for a in chan):
-        return em.const(float(np.prod([dims[a] for a in chan])), dtype)
-    return em.op("Cast", [em.op("Div", [em.op("Size", [x]), em.op("Reshape", [em.dim(x, 1), em.ints([])])])], to=dtype)
-
-
 def _bn_training(em: Emitter, node, momentum) -> dict[str, str]:
     """One BatchNormalization in training form (see training_forward); gives {running
     statistic: its updated value}."""
@@ -237,7 +229,7 @@ def _bn_training(em: Emitter, node, momentum) -> dict[str, str]:
     chan = [0] + list(range(2, em.rank(x)))  # the axes reduced per channel
     xs = em.cast(x, cdt, xdt)
     bmean = em.reduce("ReduceMean", xs, chan, keepdims=0, name=em.names.fresh(y + BATCH_MEAN))
-    count = _per_channel_count(em, x, chan, cdt)
+    count = per_channel_count(em, x, chan, cdt)
     ex2 = em.op("Div", [em.reduce("ReduceSumSquare", xs, chan, keepdims=0), count])
     centred = em.op("Sub", [ex2, em.op("Mul", [bmean, bmean])])
     bvar = em.op("Max", [centred, em.const(0.0, cdt)], name=em.names.fresh(y + BATCH_VAR))

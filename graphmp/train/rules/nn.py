@@ -6,7 +6,7 @@ from onnx import TensorProto, helper
 
 from ...errors import GraphmpError
 from ..emitter import Emitter, attr, rule
-from .common import _count_ratio, _flat_scatter, _inputs, _is_extreme
+from .common import _count_ratio, _flat_scatter, _inputs, _is_extreme, per_channel_count
 
 
 # --- convolution and pooling ------------------------------------------------------------------
@@ -360,7 +360,7 @@ def _batch_norm_training(em: Emitter, node, gy: str) -> list:
         out[2] = em.cast(s1, em.dtype(b), cdt)
     if em.needs(x):
         a = em.op("Mul", [em.cast(scale, cdt, sdt), inv])
-        neg_inv_m = em.op("Div", [em.const(-1.0, cdt), _count_ratio(em, x, mean, cdt)])
+        neg_inv_m = em.op("Div", [em.const(-1.0, cdt), per_channel_count(em, x, chan, cdt)])
         k2 = em.op("Mul", [em.op("Mul", [a, inv]), em.op("Mul", [dscale, neg_inv_m])])
         k3 = em.op("Mul", [a, em.op("Mul", [s1, neg_inv_m])])
         zeros = em.op("Mul", [mean, em.const(0.0, cdt)])
