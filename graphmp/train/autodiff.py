@@ -239,12 +239,17 @@ def _bn_training(em: Emitter, node, momentum) -> dict[str, str]:
         yc = em.op("BatchNormalization", [xs, em.cast(scale, cdt, sdt), em.cast(bias, cdt, em.dtype(bias)),
                                           bmean, bvar], epsilon=eps)
         em.op("Cast", [yc], name=y, to=xdt)
-    unbiased = em.op("Mul", [bvar, em.op("Div", [count, em.op("Sub", [count, em.const(1.0, cdt)])])])
+    # running var takes the unbiased variance: (1 - momentum) * M / (M - 1) * biased, that
+    # weight made once per feature-map shape (count is shared the same way)
+    key = ("bn_var_weight", count, mom)
+    if key not in em._cache:
+        em._cache[key] = em.op("Mul", [em.op("Div", [count, em.op("Sub", [count, em.const(1.0, cdt)])]),
+                                       em.const(1.0 - mom, cdt)])
     out = {}
-    for run, batch in ((mean, bmean), (var, unbiased)):
+    for run, batch, weight in ((mean, bmean, em.const(1.0 - mom, cdt)), (var, bvar, em._cache[key])):
         rdt = em.dtype(run)
         out[run] = em.op("Add", [em.op("Mul", [run, em.const(mom, rdt)]),
-                                 em.op("Mul", [em.cast(batch, rdt, cdt), em.const(1.0 - mom, rdt)])])
+                                 em.cast(em.op("Mul", [batch, weight]), rdt, cdt)])
     # a BN exported in training form (opset 14+) may already name its updated statistics
     for extra, run in zip(list(node.output[1:3]), (mean, var)):
         if extra:

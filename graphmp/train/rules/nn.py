@@ -360,7 +360,9 @@ def _batch_norm_training(em: Emitter, node, gy: str) -> list:
         out[2] = em.cast(s1, em.dtype(b), cdt)
     if em.needs(x):
         a = em.op("Mul", [em.cast(scale, cdt, sdt), inv])
-        neg_inv_m = em.op("Div", [em.const(-1.0, cdt), per_channel_count(em, x, chan, cdt)])
+        count = per_channel_count(em, x, chan, cdt)
+        key = ("neg_inv", count)  # -1/M, once per feature-map shape like M itself
+        neg_inv_m = em._cache.get(key) or em._cache.setdefault(key, em.op("Div", [em.const(-1.0, cdt), count]))
         k2 = em.op("Mul", [em.op("Mul", [a, inv]), em.op("Mul", [dscale, neg_inv_m])])
         k3 = em.op("Mul", [a, em.op("Mul", [s1, neg_inv_m])])
         zeros = em.op("Mul", [mean, em.const(0.0, cdt)])
