@@ -166,3 +166,33 @@ def test_precision_cost_counts_gemm_flops_by_type_and_cast_bytes():
         assert cost["gemm_low_share"] == round(conv / (conv + matmul), 4)
         assert cost["cast_mb"] == float(f"{(n * 75 * (4 + 2) + n * 150 * (2 + 4)) / 1e6:.4g}")
         assert cost["casts"] == 2 and cost["unknown_shapes"] == 0
+
+
+@pytest.mark.parametrize("low", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
+def test_batchnorm_params_to_x_type_computes_the_same_output(low):
+    """FP16 X with FP32 parameters becomes a BatchNormalization whose inputs are all FP16 (BF16:
+    Mul and Add, no BatchNormalization kernel takes BF16); the output agrees with the FP32
+    formula on the same low-precision X within the output type's rounding."""
+    from graphmp.model_runs import run_reference
+    from graphmp.train.autodiff import batchnorm_params_to_x_type
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    r = np.random.default_rng(3)
+    p = [r.uniform(0.5, 1.5, 3), r.uniform(-1, 1, 3), r.uniform(-1, 1, 3), r.uniform(0.5, 2, 3)]
+    node = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], epsilon=1e-3)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", low, [2, 3, 4])],
+                          [helper.make_tensor_value_info("y", low, [2, 3, 4])],
+                          [numpy_helper.from_array(a.astype(np.float32), k) for k, a in zip("sbmv", p)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 15)])
+    assert batchnorm_params_to_x_type(m) == 1
+    onnx.checker.check_model(m, full_check=True)
+    types = {v.name: v.type.tensor_type.elem_type for v in onnx.shape_inference.infer_shapes(m).graph.value_info}
+    for n in m.graph.node:
+        if n.op_type == "BatchNormalization":
+            assert {types[i] for i in n.input[1:]} == {low}
+    assert ("BatchNormalization" in {n.op_type for n in m.graph.node}) == (low == TensorProto.FLOAT16)
+    x = r.standard_normal((2, 3, 4)).astype(np.float16 if low == TensorProto.FLOAT16 else ml_dtypes.bfloat16)
+    y = run_reference(m, {"x": x})["y"].astype(np.float32)
+    xr = x.astype(np.float32)
+    ref = (xr - p[2][:, None]) / np.sqrt(p[3][:, None] + 1e-3) * p[0][:, None] + p[1][:, None]
+    ulp = 2.0 ** -10 if low == TensorProto.FLOAT16 else 2.0 ** -7
+    assert np.abs(y - ref).max() <= 4 * ulp * max(1.0, np.abs(ref).max())

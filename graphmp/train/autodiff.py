@@ -270,7 +270,8 @@ def batchnorm_params_to_x_type(model: onnx.ModelProto) -> int:
     FP16 X and FP32 parameters has no CUDA kernel and runs on the CPU, with copies to and
     from it. Range: mean and B of X's range fit X's type; |scale'| <= |scale| / sqrt(epsilon)
     (316 |scale| at the default 1e-5) fits FP16 for the scales BatchNorm layers learn.
-    Run it after add_backward: the gradient rules read the parameters of the original node."""
+    A BF16 X gets Y = X * scale' + (B - mean * scale') as Mul and Add instead (ONNX Runtime
+    has no BF16 BatchNormalization kernel, CPU or CUDA). Run it after add_backward: the gradient rules read the parameters of the original node."""
     info = tensor_info(model)
     em = Emitter(model, info, "bn_types")
     new_nodes, rewritten = [], 0
@@ -285,11 +286,18 @@ def batchnorm_params_to_x_type(model: onnx.ModelProto) -> int:
         xdt, pdt = em.dtype(x), em.dtype(var)
         inv = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [var, em.const(attr(node, "epsilon", 1e-5), pdt)])])])
         scaled = em.op("Mul", [em.cast(scale, pdt, em.dtype(scale)), inv])
-        mean_x = em.cast(mean, xdt, em.dtype(mean))
-        zeros = em.op("Mul", [mean_x, em.const(0.0, xdt)])
-        em.nodes.append(helper.make_node("BatchNormalization", [x, em.cast(scaled, xdt, pdt),
-                                                                em.cast(bias, xdt, em.dtype(bias)), mean_x, zeros],
-                                         [node.output[0]], name=node.name, epsilon=1.0))
+        if xdt == TensorProto.BFLOAT16:  # ORT has no BF16 BatchNormalization kernel: Mul and Add
+            shift = em.op("Sub", [em.cast(bias, pdt, em.dtype(bias)),
+                                  em.op("Mul", [em.cast(mean, pdt, em.dtype(mean)), scaled])])
+            chan = [0] + list(range(2, em.rank(x)))
+            em.op("Add", [em.op("Mul", [x, em.unsqueeze(em.cast(scaled, xdt, pdt), chan)]),
+                          em.unsqueeze(em.cast(shift, xdt, pdt), chan)], name=node.output[0])
+        else:
+            mean_x = em.cast(mean, xdt, em.dtype(mean))
+            zeros = em.op("Mul", [mean_x, em.const(0.0, xdt)])
+            em.nodes.append(helper.make_node("BatchNormalization", [x, em.cast(scaled, xdt, pdt),
+                                                                    em.cast(bias, xdt, em.dtype(bias)), mean_x, zeros],
+                                             [node.output[0]], name=node.name, epsilon=1.0))
         new_nodes.extend(em.nodes)
         rewritten += 1
     del model.graph.node[:]

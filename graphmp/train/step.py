@@ -77,6 +77,7 @@ from .optim import ACCUM, ACCUM_COUNT
 from .ort_checks import calibration_batch, check_runs, prove_runs
 from .runfiles import check_run_dir, write_run
 from .source import NON_TRAINABLE
+from .step_cost import precision_cost_of_build
 
 NEXT = "__next"
 GRAD = "__grad"
@@ -571,20 +572,9 @@ def _finish(s: _Source, f: _Forward, st: _State, cfg: dict, config: StepConfig, 
                    bf16=cfg["precision"] == "bf16")
     warnings, src_check = _source_check_warnings(s)
     meta = _meta(s, f, st, cfg, config.expose_grads, f.warnings + warnings)
-    meta["precision_cost"] = _precision_cost(f)
+    meta["precision_cost"] = precision_cost_of_build(f.model, f.generated)
     write_run(out_dir, f.model, infer, st.init, meta, full=src_check is None)
     return meta
-
-
-def _precision_cost(f: _Forward) -> dict | None:
-    """train.json "precision_cost": the step graph's FP16/BF16 share of GEMM FLOPs and its
-    Cast bytes (graphmp.train.step_cost) at the generated batch's shapes (the build's batch);
-    None when the build had no generated batch."""
-    from .step_cost import precision_cost
-    if f.generated is None:
-        return None
-    inputs = {v.name for v in f.model.graph.input}
-    return precision_cost(f.model, {k: list(np.shape(v)) for k, v in f.generated.items() if k in inputs})
 
 
 def _generated_batch(s: _Source, f: _Forward, cfg: dict, config: StepConfig) -> None:

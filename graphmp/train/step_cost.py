@@ -103,3 +103,12 @@ def precision_cost(model: onnx.ModelProto, shapes: dict) -> dict:
 def _sig(v: float) -> float:
     """v to 4 significant digits (tiny test models and ResNet-50 alike)."""
     return float(f"{v:.4g}")
+
+
+def precision_cost_of_build(model: onnx.ModelProto, generated: dict | None) -> dict | None:
+    """train.json "precision_cost": precision_cost at the shapes of the build's generated batch
+    ({input: array}; its arrays that are not inputs of `model` are ignored); None without one."""
+    if generated is None:
+        return None
+    inputs = {v.name for v in model.graph.input}
+    return precision_cost(model, {k: list(np.shape(v)) for k, v in generated.items() if k in inputs})
