@@ -196,3 +196,18 @@ def test_batchnorm_params_to_x_type_computes_the_same_output(low):
     ref = (xr - p[2][:, None]) / np.sqrt(p[3][:, None] + 1e-3) * p[0][:, None] + p[1][:, None]
     ulp = 2.0 ** -10 if low == TensorProto.FLOAT16 else 2.0 ** -7
     assert np.abs(y - ref).max() <= 4 * ulp * max(1.0, np.abs(ref).max())
+
+
+def test_train_graph_summary_reports_the_precision_cost(tmp_path, capsys):
+    """`train-graph` says, at its build's batch, the FP16 share of the GEMM FLOPs and the
+    Casts' bytes, as train.json's precision_cost has them."""
+    import json
+    from graphmp.cli import main
+    path = str(tmp_path / "rescnn.onnx")
+    onnx.save(_residual_cnn(), path)
+    assert main(["train-graph", path, "-o", str(tmp_path / "run"), "--precision", "mixed"]) == 0
+    cost = json.load(open(tmp_path / "run" / "train.json"))["precision_cost"]
+    out = capsys.readouterr().out
+    assert f"{cost['gemm_low_share']:.0%} of {cost['gemm_gflop']:g} GFLOP" in out
+    assert f"{cost['casts']} Casts moving {cost['cast_mb']:g} MB per step" in out
+    assert str(cost["shapes"]) in out
