@@ -211,3 +211,26 @@ def test_train_graph_summary_reports_the_precision_cost(tmp_path, capsys):
     assert f"{cost['gemm_low_share']:.0%} of {cost['gemm_gflop']:g} GFLOP" in out
     assert f"{cost['casts']} Casts moving {cost['cast_mb']:g} MB per step" in out
     assert str(cost["shapes"]) in out
+
+
+def test_bn_momentum_is_onnx_convention_and_a_torch_looking_value_is_warned(tmp_path):
+    """bn_momentum weights the OLD running statistics (ONNX): one step from running mean 0 moves
+    it to (1 - bn_momentum) * batch mean; a value below 0.5 (torch's convention, likely a
+    mistake) is built as given, with a train.json warning naming the ONNX value."""
+    from graphmp.train.loop import StepRunner, latest_state, load_run
+    path = str(tmp_path / "cnn.onnx")
+    onnx.save(tm.cnn(), path)
+    data = tm.bars(8, seed=2)
+    for mom in (0.9, 0.1):
+        run = str(tmp_path / f"m{mom}")
+        meta = build_step(path, run, precision="fp32", optimizer="sgd", lr=0.1, bn_momentum=mom)
+        assert any("bn_momentum 0.1" in w and "bn_momentum 0.9" in w for w in meta["warnings"]) == (mom < 0.5)
+        state, _ = latest_state(run)
+        r = StepRunner(run, load_run(run), state)
+        r.step(data)  # the first step's statistics come from the initial weights, whatever lr
+        got = r.state_numpy()["bn.running_mean"]
+        if mom == 0.9:
+            ref = got
+            assert np.abs(ref).max() > 1e-3  # the batch moved it
+        else:  # (1 - 0.1) / (1 - 0.9) = 9 times the 0.9 run's move from 0
+            np.testing.assert_allclose(got, 9 * ref, rtol=1e-5, atol=1e-7)

@@ -303,6 +303,10 @@ def _forward_and_loss(s: _Source, cfg: dict, config: StepConfig) -> _Forward:
         raise with_measure_note(e, measured, s.path) from None
     loss_t = losses.add_loss(fwd, Builder(fwd), cfg, out_dims, label_dims, label_elem)
     notes = [losses.class_axis_warning(cfg, out_dims, s.path)]
+    if running and config.bn_momentum is not None and config.bn_momentum < 0.5:  # torch's convention?
+        notes.append(f"{s.path}: bn_momentum {config.bn_momentum:g} keeps {config.bn_momentum:g} of the old BatchNorm "
+                     f"running statistics a step (ONNX's convention); torch's momentum={config.bn_momentum:g} is "
+                     f"bn_momentum {1 - config.bn_momentum:g}")
     redeclared = cfg.pop("output_redeclared", None)
     if redeclared:
         notes.append(f"{s.path}: output '{s.out_name}' is declared {redeclared['declared']} but the graph gives "
