@@ -114,13 +114,17 @@ def _residual_cnn(c=8, size=8, classes=4):
     return tm._model(nodes, inits, ["N", 1, size, size], ["N", classes], "rescnn")
 
 
-def test_mixed_plan_keeps_bn_relu_add_fp16(tmp_path):
+@pytest.mark.parametrize("opset", [13, 17])
+def test_mixed_plan_keeps_bn_relu_add_fp16(tmp_path, opset):
     """The mixed step keeps the activations FP16 through BN, ReLU and Add (torch AMP's plan);
     every BatchNormalization's parameters have its X's type (ONNX Runtime's CUDA kernel has no
-    FP16-X, FP32-parameter form); the statistics stay FP32; train.json reports the FP16 share
+    FP16-X, FP32-parameter form); the statistics stay FP32 (an opset-13 model is upgraded to
+    15, whose BatchNormalization types them apart from X); train.json reports the FP16 share
     of the GEMM FLOPs and the Casts' bytes."""
     path = str(tmp_path / "rescnn.onnx")
-    onnx.save(_residual_cnn(), path)
+    model = _residual_cnn()
+    model.opset_import[0].version = opset
+    onnx.save(model, path)
     meta = build_step(path, str(tmp_path / "run"), precision="mixed", optimizer="sgd", lr=0.1)
     step = onnx.load(str(tmp_path / "run" / "step.onnx"))
     g = onnx.shape_inference.infer_shapes(step).graph

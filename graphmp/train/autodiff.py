@@ -233,9 +233,11 @@ def _bn_training(em: Emitter, node, momentum) -> dict[str, str]:
     ex2 = em.op("Div", [em.reduce("ReduceSumSquare", xs, chan, keepdims=0), count])
     centred = em.op("Sub", [ex2, em.op("Mul", [bmean, bmean])])
     bvar = em.op("Max", [centred, em.const(0.0, cdt)], name=em.names.fresh(y + BATCH_VAR))
-    if xdt == sdt or em.opset >= 15:  # BN-15 types the statistics apart from X and scale
+    # BN-15 types the statistics and the parameters apart from X, BN-14 the statistics only,
+    # BN-13 nothing: where the types do not fit, normalise the FP32 copy and Cast back
+    if em.opset >= 15 or (xdt == sdt and (cdt == xdt or em.opset == 14)):
         em.op("BatchNormalization", [x, scale, bias, bmean, bvar], name=y, epsilon=eps)
-    else:  # an older opset types them all alike: normalise the FP32 copy, Cast back
+    else:
         yc = em.op("BatchNormalization", [xs, em.cast(scale, cdt, sdt), em.cast(bias, cdt, em.dtype(bias)),
                                           bmean, bvar], epsilon=eps)
         em.op("Cast", [yc], name=y, to=xdt)

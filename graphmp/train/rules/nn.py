@@ -278,12 +278,14 @@ def _is_training_form(node) -> bool:
     return len(node.input) >= 5 and BATCH_MEAN in node.input[3] and BATCH_VAR in node.input[4]
 
 
-@rule("BatchNormalization", outputs=(0,))
+@rule("BatchNormalization", outputs=(0,), opset=15)
 def batch_norm(em, node, g):
     """Y = scale * (X - mean) * invstd + B with fixed (running) statistics: dX = dY * scale *
     invstd, dscale = sum dY * (X - mean) * invstd, dB = sum dY (no gradient to the statistics).
     The training form (training_forward: mean and var are X's batch statistics) has its own
-    rule, _batch_norm_training."""
+    rule, _batch_norm_training. Opset 15: BN-15 types the statistics and parameters apart from
+    X, so a mixed step keeps them FP32 beside an FP16 X (at opset 13 convert would round the
+    batch variance to FP16; train-graph upgrades a model with BatchNorm to 15)."""
     x, scale, b, mean, var = node.input[:5]
     if attr(node, "training_mode", 0):
         raise GraphmpError(f"node '{node.name}' (BatchNormalization training_mode=1): run "
@@ -346,7 +348,9 @@ def _batch_norm_training(em: Emitter, node, gy: str) -> list:
     Guarantees: the gradients of X, scale and B of the batch-statistics BatchNormalization,
     in their tensors' types."""
     x, scale, b, mean, var = node.input[:5]
-    xdt, sdt, cdt = em.dtype(x), em.dtype(scale), em.dtype(mean)
+    xdt, sdt = em.dtype(x), em.dtype(scale)
+    cdt = TensorProto.DOUBLE if em.dtype(mean) == TensorProto.DOUBLE else TensorProto.FLOAT
+    mean, var = em.cast(mean, cdt, em.dtype(mean)), em.cast(var, cdt, em.dtype(var))
     chan = [0] + list(range(2, em.rank(x)))
     inv = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [var, em.const(attr(node, "epsilon", 1e-5), cdt)])])])
     gf, xf = em.cast(gy, cdt, xdt), _statistics_input(em, x, mean, cdt)
