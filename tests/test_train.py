@@ -127,11 +127,13 @@ def test_power_of_two_scale_equals_unscaled_run_exactly(cnn_path, mlp_path, tmp_
 
 def test_mixed_cnn_scaled_runs_agree_exactly_and_s1_underflows(cnn_path, tmp_path):
     """In FP16 the unscaled (S=1) CNN backward loses gradient bits to underflow (values
-    below the FP16 normal range): that is what loss scaling is for. Every S from 2^6 to
-    2^14, static or dynamic, gives the same run bit for bit."""
+    below the FP16 normal range): that is what loss scaling is for. Every S from 2^8 to
+    2^14, static or dynamic, gives the same run bit for bit. (2^8, not 2^6: since the
+    BatchNorm's output and its ReLU are FP16, as with torch AMP, their gradients are FP16
+    too, and at 2^6 a few of them fall below the FP16 normal range.)"""
     batches = _batches(tm.bars(64, seed=1), 16, 4)
     kw = dict(precision="mixed", optimizer="adamw", lr=1e-2, weight_decay=0.01)
-    ref = _final_state(tmp_path, cnn_path, "s64", batches, loss_scale=64.0, **kw)
+    ref = _final_state(tmp_path, cnn_path, "s256", batches, loss_scale=256.0, **kw)
     for name, extra in SCALES + [("static16384", dict(loss_scale=2.0**14))]:
         _assert_same_run(ref, _final_state(tmp_path, cnn_path, name, batches, **extra, **kw), f"mixed cnn {name}")
     s1, _ = _final_state(tmp_path, cnn_path, "s1", batches, loss_scale=1.0, **kw)

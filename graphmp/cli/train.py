@@ -266,6 +266,11 @@ def _say_built(meta: dict, output: str) -> None:
           f"({meta['config']['precision']}, {meta['config']['optimizer']}, loss scale "
           f"{meta['config']['loss_scale']}); inputs {list(meta['inputs'])} + '{meta['label']['name']}' "
           f"{meta['label']['shape']}")
+    cost = meta.get("precision_cost")
+    if cost and cost["gemm_low_share"] is not None:
+        print(f"at the build's batch {cost['shapes']}: {cost['gemm_low_share']:.0%} of {cost['gemm_gflop']:g} GFLOP "
+              f"of Conv/MatMul/Gemm work in FP16/BF16 (forward + backward), {cost['casts']} Casts moving "
+              f"{cost['cast_mb']:g} MB per step")
 
 
 def _without_nproc(argv: list) -> list:

@@ -12,8 +12,10 @@ every w in `wrt` and returns {w: gradient tensor name}. It guarantees:
   supported ops; existing nodes are untouched, new names are unique, the result is
   checker-clean; ops emitted are valid at the model's opset (>= 13).
 
-`training_forward(model)` rewrites BatchNormalization (batch statistics, running-statistic
-updates as new tensors) and Dropout (training mode, mask output) in place.
+`training_forward(model)` rewrites BatchNormalization (batch statistics fed to one
+BatchNormalization, running-statistic updates as new tensors) and Dropout (training mode,
+mask output) in place; `batchnorm_params_to_x_type(model)`, after the backward, gives a
+mixed graph's BatchNormalizations parameters of their X's type (ONNX Runtime's CUDA kernel).
 
 How it works. A forward sweep marks the *active* tensors: float tensors that depend on
 some w through nodes that are not zero-grad (emitter.ZERO_GRAD). A backward sweep keeps
@@ -41,6 +43,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -50,8 +53,10 @@ from ..opset import default_opset
 from .builder import subgraph_inputs
 from .emitter import Emitter, attr, tensor_info
 from .rules import RULES, ZERO_GRAD
+from .rules.common import per_channel_count
+from .rules.nn import BATCH_MEAN, BATCH_VAR
 
-__all__ = ["MIN_OPSET", "add_backward", "training_forward", "Emitter", "attr", "tensor_info"]
+__all__ = ["MIN_OPSET", "add_backward", "training_forward", "batchnorm_params_to_x_type", "Emitter", "attr", "tensor_info"]
 
 MIN_OPSET = 13
 
@@ -159,11 +164,24 @@ def _tensor_before(graph, node, reads: dict, active: set, wrt) -> str:
 def training_forward(model: onnx.ModelProto, *, momentum: float | None = None) -> dict[str, str]:
     """Rewrite BatchNormalization and Dropout to their training form, in place.
 
-    BatchNormalization(X, scale, B, mean, var) -> Y normalised with the batch statistics
-    (mean and biased variance over N and the spatial axes, computed in the dtype of `scale`,
-    i.e. FP32 for a graphmp FP16 model), plus new tensors
-    running' = momentum*running + (1-momentum)*batch (unbiased variance for var, as PyTorch);
-    momentum: the argument, else the node's attribute, else 0.9.
+    BatchNormalization(X, scale, B, mean, var) becomes the batch statistics of X and ONE
+    standard BatchNormalization (inference form) that reads them instead of the running
+    statistics, so it computes the training-mode output in a single pass over X:
+      batch mean  = ReduceMean(X) over N and the spatial axes, named `<Y>__batch_mean`;
+      batch var   = max(ReduceSumSquare(X) / M - mean^2, 0) (biased, M = elements per
+                    channel), named `<Y>__batch_var`;
+    both [C] and FP32 (FP64 for a double model; X is Cast to that type for the two
+    reductions only). The variance as E[X^2] - mean^2 in FP32 loses about
+    1e-7 * (mean/std)^2 of its value to cancellation: negligible for activations whose
+    channel mean is within a few hundred standard deviations. The gradient rule of
+    BatchNormalization (rules/nn.py) recognises the node by those names and differentiates
+    the whole training form at once (the statistics get no gradient nodes of their own).
+    A graphmp mixed build paints that node like any BatchNormalization (FP16 X and Y, FP32
+    parameters) and convert's calibration sees the batch-statistics output.
+    New tensors running' = momentum*running + (1-momentum)*batch on [C], with the UNBIASED
+    batch variance (M/(M-1) * biased) going into running var, as torch.nn.BatchNorm does;
+    momentum (ONNX's convention: the weight of the old value; torch's momentum 0.1 is ONNX
+    0.9): the argument, else the node's attribute, else 0.9.
     Dropout -> training_mode=True with a mask output (its gradient uses the mask).
     Returns {running mean/var name: updated tensor name}."""
     opset = default_opset(model)
@@ -192,40 +210,98 @@ def training_forward(model: onnx.ModelProto, *, momentum: float | None = None) -
     return updates
 
 
+def _float_attr(value: float) -> float:
+    """An ONNX float attribute is stored in FP32 (0.9 reads back as 0.89999998): the
+    shortest decimal that rounds to the same FP32 value, so a double model's running
+    statistics mix with 0.9 exactly, as torch's do."""
+    return float(str(np.float32(value)))
+
+
 def _bn_training(em: Emitter, node, momentum) -> dict[str, str]:
+    """One BatchNormalization in training form (see training_forward); gives {running
+    statistic: its updated value}."""
     x, scale, bias, mean, var = node.input[:5]
     y = node.output[0]
     eps = attr(node, "epsilon", 1e-5)
-    mom = momentum if momentum is not None else attr(node, "momentum", 0.9)
-    rank = em.rank(x)
-    axes = [0] + list(range(2, rank))
-    pdt, xdt = em.dtype(scale), em.dtype(x)
-    xf = em.cast(x, pdt, xdt)
-    bmean = em.reduce("ReduceMean", xf, axes, keepdims=1)
-    centred = em.op("Sub", [xf, bmean])
-    bvar = em.reduce("ReduceMean", em.op("Mul", [centred, centred]), axes, keepdims=1)
-    inv = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [bvar, em.const(eps, pdt)])])])
-    chan = [0] + list(range(2, rank))  # axes to unsqueeze a [C] vector to [1, C, 1, ...]
-    s = em.unsqueeze(scale, chan)
-    b = em.unsqueeze(bias, chan)
-    yf = em.op("Add", [em.op("Mul", [em.op("Mul", [centred, inv]), s]), b])
-    if pdt == xdt:
-        em.op("Identity", [yf], name=y)
+    mom = float(momentum) if momentum is not None else _float_attr(attr(node, "momentum", 0.9))
+    xdt, sdt = em.dtype(x), em.dtype(scale)
+    cdt = TensorProto.DOUBLE if TensorProto.DOUBLE in (xdt, sdt) else TensorProto.FLOAT
+    chan = [0] + list(range(2, em.rank(x)))  # the axes reduced per channel
+    xs = em.cast(x, cdt, xdt)
+    bmean = em.reduce("ReduceMean", xs, chan, keepdims=0, name=em.names.fresh(y + BATCH_MEAN))
+    count = per_channel_count(em, x, chan, cdt)
+    ex2 = em.op("Div", [em.reduce("ReduceSumSquare", xs, chan, keepdims=0), count])
+    centred = em.op("Sub", [ex2, em.op("Mul", [bmean, bmean])])
+    bvar = em.op("Max", [centred, em.const(0.0, cdt)], name=em.names.fresh(y + BATCH_VAR))
+    # BN-15 types the statistics and the parameters apart from X, BN-14 the statistics only,
+    # BN-13 nothing: where the types do not fit, normalise the FP32 copy and Cast back
+    if em.opset >= 15 or (xdt == sdt and (cdt == xdt or em.opset == 14)):
+        em.op("BatchNormalization", [x, scale, bias, bmean, bvar], name=y, epsilon=eps)
     else:
-        em.op("Cast", [yf], name=y, to=xdt)
-    # running statistics: unbiased variance, n = elements per channel
-    n = em.op("Cast", [em.op("Div", [em.op("Size", [x]), em.dim(x, 1)])], to=pdt)
-    unbiased = em.op("Div", [em.op("Mul", [em.squeeze(bvar, chan), n]),
-                             em.op("Sub", [n, em.const(1.0, pdt)])])
+        yc = em.op("BatchNormalization", [xs, em.cast(scale, cdt, sdt), em.cast(bias, cdt, em.dtype(bias)),
+                                          bmean, bvar], epsilon=eps)
+        em.op("Cast", [yc], name=y, to=xdt)
+    # running var takes the unbiased variance: (1 - momentum) * M / (M - 1) * biased, that
+    # weight made once per feature-map shape (count is shared the same way)
+    key = ("bn_var_weight", count, mom)
+    if key not in em._cache:
+        em._cache[key] = em.op("Mul", [em.op("Div", [count, em.op("Sub", [count, em.const(1.0, cdt)])]),
+                                       em.const(1.0 - mom, cdt)])
     out = {}
-    for run, batch in ((mean, em.squeeze(bmean, chan)), (var, unbiased)):
+    for run, batch, weight in ((mean, bmean, em.const(1.0 - mom, cdt)), (var, bvar, em._cache[key])):
         rdt = em.dtype(run)
-        upd = em.op("Add", [em.op("Mul", [run, em.const(mom, rdt)]),
-                            em.op("Mul", [em.cast(batch, rdt, pdt), em.const(1.0 - mom, rdt)])])
-        out[run] = upd
+        out[run] = em.op("Add", [em.op("Mul", [run, em.const(mom, rdt)]),
+                                 em.cast(em.op("Mul", [batch, weight]), rdt, cdt)])
     # a BN exported in training form (opset 14+) may already name its updated statistics
     for extra, run in zip(list(node.output[1:3]), (mean, var)):
         if extra:
             em.op("Identity", [out[run]], name=extra)
             out[run] = extra
     return out
+
+
+def batchnorm_params_to_x_type(model: onnx.ModelProto) -> int:
+    """Rewrite, in place, every BatchNormalization whose parameters (scale, B, mean, var) have
+    another type than its X (a mixed build: FP16 X and Y, FP32 parameters, as BN-15 allows)
+    into one whose five inputs share X's type and that computes the same
+    Y = (X - mean) * scale' + B, with scale' = scale / sqrt(var + epsilon) computed in the
+    parameters' type and var 0, epsilon 1 (a divisor of exactly 1). Returns the number of
+    nodes rewritten; the graph's tensors keep their names.
+
+    Why: ONNX Runtime's CUDA BatchNormalization types all five inputs alike, so a node with
+    FP16 X and FP32 parameters has no CUDA kernel and runs on the CPU, with copies to and
+    from it. Range: mean and B of X's range fit X's type; |scale'| <= |scale| / sqrt(epsilon)
+    (316 |scale| at the default 1e-5) fits FP16 for the scales BatchNorm layers learn.
+    A BF16 X gets Y = X * scale' + (B - mean * scale') as Mul and Add instead (ONNX Runtime
+    has no BF16 BatchNormalization kernel, CPU or CUDA). Run it after add_backward: the gradient rules read the parameters of the original node."""
+    info = tensor_info(model)
+    em = Emitter(model, info, "bn_types")
+    new_nodes, rewritten = [], 0
+    for node in model.graph.node:
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") or \
+                node.input[0] not in info or node.input[1] not in info or \
+                em.dtype(node.input[0]) == em.dtype(node.input[1]) == em.dtype(node.input[3]):
+            new_nodes.append(node)
+            continue
+        em.nodes = []
+        x, scale, bias, mean, var = node.input[:5]
+        xdt, pdt = em.dtype(x), em.dtype(var)
+        inv = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [var, em.const(attr(node, "epsilon", 1e-5), pdt)])])])
+        scaled = em.op("Mul", [em.cast(scale, pdt, em.dtype(scale)), inv])
+        if xdt == TensorProto.BFLOAT16:  # ORT has no BF16 BatchNormalization kernel: Mul and Add
+            shift = em.op("Sub", [em.cast(bias, pdt, em.dtype(bias)),
+                                  em.op("Mul", [em.cast(mean, pdt, em.dtype(mean)), scaled])])
+            chan = [0] + list(range(2, em.rank(x)))
+            em.op("Add", [em.op("Mul", [x, em.unsqueeze(em.cast(scaled, xdt, pdt), chan)]),
+                          em.unsqueeze(em.cast(shift, xdt, pdt), chan)], name=node.output[0])
+        else:
+            mean_x = em.cast(mean, xdt, em.dtype(mean))
+            zeros = em.op("Mul", [mean_x, em.const(0.0, xdt)])
+            em.nodes.append(helper.make_node("BatchNormalization", [x, em.cast(scaled, xdt, pdt),
+                                                                    em.cast(bias, xdt, em.dtype(bias)), mean_x, zeros],
+                                             [node.output[0]], name=node.name, epsilon=1.0))
+        new_nodes.extend(em.nodes)
+        rewritten += 1
+    del model.graph.node[:]
+    model.graph.node.extend(new_nodes)
+    return rewritten

@@ -233,15 +233,16 @@ class Emitter:
         perm = list(perm)
         return x if perm == sorted(perm) else self.op("Transpose", [x], perm=perm)
 
-    def reduce(self, op_type: str, x: str, axes, keepdims: int = 1) -> str:
-        """ReduceSum/ReduceMean/... over static `axes`, axes as input or attribute by opset."""
+    def reduce(self, op_type: str, x: str, axes, keepdims: int = 1, name: str | None = None) -> str:
+        """ReduceSum/ReduceMean/... over static `axes`, axes as input or attribute by opset
+        (output `name` when given)."""
         axes = list(axes)
         if not axes:
             return x
         as_input = self.opset >= (13 if op_type == "ReduceSum" else 18)
         if as_input:
-            return self.op(op_type, [x, self.ints(axes)], keepdims=keepdims)
-        return self.op(op_type, [x], axes=axes, keepdims=keepdims)
+            return self.op(op_type, [x, self.ints(axes)], keepdims=keepdims, name=name)
+        return self.op(op_type, [x], axes=axes, keepdims=keepdims, name=name)
 
     def sum(self, terms: list[str]) -> str:
         return terms[0] if len(terms) == 1 else self.op("Sum", terms)

@@ -86,6 +86,7 @@ from .optim import ACCUM_COUNT
 from .ort_checks import calibration_batch, check_runs, prove_runs
 from .runfiles import check_run_dir, write_run
 from .source import NON_TRAINABLE
+from .step_cost import precision_cost_of_build
 from .update import CLEAN, FINITE, GRAD, NEXT, SCALE, STEP, State, add_update, initial_state, set_outputs
 
 MIN_OPSET = 13
@@ -300,6 +301,10 @@ def _forward_and_loss(s: _Source, cfg: dict, config: StepConfig) -> _Forward:
         raise with_measure_note(e, measured, s.path) from None
     loss_t = losses.add_loss(fwd, Builder(fwd), cfg, out_dims, label_dims, label_elem)
     notes = [losses.class_axis_warning(cfg, out_dims, s.path)]
+    if running and config.bn_momentum is not None and config.bn_momentum < 0.5:  # torch's convention?
+        notes.append(f"{s.path}: bn_momentum {config.bn_momentum:g} keeps {config.bn_momentum:g} of the old BatchNorm "
+                     f"running statistics a step (ONNX's convention); torch's momentum={config.bn_momentum:g} is "
+                     f"bn_momentum {1 - config.bn_momentum:g}")
     redeclared = cfg.pop("output_redeclared", None)
     if redeclared:
         notes.append(f"{s.path}: output '{s.out_name}' is declared {redeclared['declared']} but the graph gives "
@@ -423,7 +428,7 @@ def _add_backward(s: _Source, f: _Forward, cfg: dict, expose_grads: bool) -> tup
     """Needs the (converted) forward + loss graph. Adds the loss-scale and step-counter inputs
     and the backward seeded with the scale S; gives (the builder, {weight: FP32 gradient
     scaled by S}, the state with its counts and st.scale)."""
-    from .autodiff import add_backward
+    from .autodiff import add_backward, batchnorm_params_to_x_type
     from .measure import with_measure_note
     b, g = Builder(f.model), f.model.graph
     st = _State(dynamic=cfg["loss_scale"] == "dynamic", n_before=0)
@@ -439,6 +444,10 @@ def _add_backward(s: _Source, f: _Forward, cfg: dict, expose_grads: bool) -> tup
         grads_scaled = add_backward(f.model, f.loss_t, f.weights, seed=scale)
     except GraphmpError as e:
         raise with_measure_note(e, f.measured, s.path) from None
+    if f.convert_report is not None:  # FP16 X with FP32 parameters has no CUDA kernel
+        n = len(g.node)
+        batchnorm_params_to_x_type(f.model)
+        st.n_before += len(g.node) - n  # the nodes it adds compute forward [C] vectors
     missing = [w for w in f.weights if w not in grads_scaled]
     if missing:
         raise GraphmpError(f"{s.path}: no gradient was produced for {missing}")
@@ -520,6 +529,7 @@ def _finish(s: _Source, f: _Forward, st: _State, cfg: dict, config: StepConfig, 
                    bf16=cfg["precision"] == "bf16")
     warnings, src_check = _source_check_warnings(s)
     meta = _meta(s, f, st, cfg, config.expose_grads, f.warnings + warnings)
+    meta["precision_cost"] = precision_cost_of_build(f.model, f.generated)
     write_run(out_dir, f.model, infer, st.init, meta, full=src_check is None)
     return meta
 

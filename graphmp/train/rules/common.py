@@ -52,6 +52,24 @@ def _count_ratio(em: Emitter, x: str, y: str, dtype: int) -> str:
     return em.op("Cast", [em.op("Div", [em.op("Size", [x]), em.op("Size", [y])])], to=dtype)
 
 
+def per_channel_count(em: Emitter, x: str, chan: list[int], dtype: int) -> str:
+    """M, the elements of x per channel (the axes `chan`), as a scalar of `dtype`: a constant
+    when those axes are static, else Size(x) / C at run time, made once per emitter for the
+    tensors whose `chan` axes have the same (symbolic) dims, e.g. every BatchNorm of one
+    feature-map size with the free batch N."""
+    dims = em.dims(x)
+    if dims is not None and all(isinstance(dims[a], int) for a in chan):
+        return em.const(float(np.prod([dims[a] for a in chan])), dtype)
+    key = ("per_channel_count", tuple(dims[a] for a in chan), dtype) if dims and all(dims[a] for a in chan) else None
+    if key in em._cache:
+        return em._cache[key]
+    size = em.op("Div", [em.op("Size", [x]), em.op("Reshape", [em.dim(x, 1), em.ints([])])])
+    count = em.op("Cast", [size], to=dtype)
+    if key is not None:
+        em._cache[key] = count
+    return count
+
+
 def _swap_last2(em: Emitter, x: str, rank: int) -> str:
     return em.transpose(x, list(range(rank - 2)) + [rank - 1, rank - 2])
 

@@ -6,7 +6,7 @@ from onnx import TensorProto, helper
 
 from ...errors import GraphmpError
 from ..emitter import Emitter, attr, rule
-from .common import _count_ratio, _flat_scatter, _inputs, _is_extreme
+from .common import _count_ratio, _flat_scatter, _inputs, _is_extreme, per_channel_count
 from .conv_gemm import WEIGHT_GRAD_FORMS, conv_shapes, weight_grad_form
 
 
@@ -296,15 +296,35 @@ def layer_norm(em, node, g):
     return out
 
 
-@rule("BatchNormalization", outputs=(0,))
+# the names training_forward (graphmp/train/autodiff.py) gives a training BatchNormalization's
+# batch statistics, which it feeds to the node as its mean and var: <Y>__batch_mean(_N)
+BATCH_MEAN = "__batch_mean"
+BATCH_VAR = "__batch_var"
+
+
+def _is_training_form(node) -> bool:
+    """The BatchNormalization reads the batch statistics of its own X (training_forward)."""
+    return len(node.input) >= 5 and BATCH_MEAN in node.input[3] and BATCH_VAR in node.input[4]
+
+
+@rule("BatchNormalization", outputs=(0,), opset=15)
 def batch_norm(em, node, g):
     """Y = scale * (X - mean) * invstd + B with fixed (running) statistics: dX = dY * scale *
-    invstd, dscale = sum dY * (X - mean) * invstd, dB = sum dY (no gradient to the statistics;
-    for batch statistics run training_forward first)."""
+    invstd, dscale = sum dY * (X - mean) * invstd, dB = sum dY (no gradient to the statistics).
+    The training form (training_forward: mean and var are X's batch statistics) has its own
+    rule, _batch_norm_training. Opset 15: BN-15 types the statistics and parameters apart from
+    X, so a mixed step keeps them FP32 beside an FP16 X (at opset 13 convert would round the
+    batch variance to FP16; train-graph upgrades a model with BatchNorm to 15)."""
     x, scale, b, mean, var = node.input[:5]
     if attr(node, "training_mode", 0):
         raise GraphmpError(f"node '{node.name}' (BatchNormalization training_mode=1): run "
-                           "graphmp.train.autodiff.training_forward(model) first, which decomposes it")
+                           "graphmp.train.autodiff.training_forward(model) first, which rewrites it")
+    if _is_training_form(node):
+        return _batch_norm_training(em, node, g[0])
+    if em.needs(mean) or em.needs(var):
+        raise GraphmpError(f"node '{node.name}' (BatchNormalization): its mean/var inputs depend on the trained "
+                           "tensors; only running statistics (constants) or the batch statistics training_forward "
+                           "computes are differentiated")
     rank = em.rank(x)
     chan = [0] + list(range(2, rank))
     xdt, pdt = em.dtype(x), em.dtype(scale)
@@ -321,6 +341,66 @@ def batch_norm(em, node, g):
         out[1] = em.reduce("ReduceSum", em.op("Mul", [gf, xhat]), chan, keepdims=0)
     if em.needs(b):
         out[2] = em.cast(em.reduce("ReduceSum", gf, chan, keepdims=0), em.dtype(b), pdt)
+    return out
+
+
+def _statistics_input(em: Emitter, x: str, mean: str, cdt: int) -> str:
+    """X in the statistics' type: the tensor the forward's ReduceMean of the batch mean read
+    (in a mixed build, the FP32 Cast of the FP16 X that convert put there) when it is X or a
+    Cast of X, else a new Cast. Reading the forward's copy spares the backward a pass over X
+    (the copy lives until the backward instead of the FP16 X: the FP32 build's memory)."""
+    producers = em._cache.setdefault("producers", {})
+    if not producers:
+        producers.update({o: n for n in em.graph.node for o in n.output})
+    stat = producers.get(mean)
+    src = stat.input[0] if stat is not None and stat.op_type == "ReduceMean" else None
+    if src == x or (src in producers and producers[src].op_type == "Cast" and producers[src].input[0] == x
+                    and attr(producers[src], "to") == cdt):
+        return src
+    return em.cast(x, cdt, em.dtype(x))
+
+
+def _batch_norm_training(em: Emitter, node, gy: str) -> list:
+    """Gradient of the training form Y = (X - mean) * invstd * scale + B, mean and var the
+    batch statistics of X over the M elements of each channel (the statistics' own nodes get
+    no gradient: this is the whole derivative). With a = scale * invstd, s1 = sum dY and
+    s2 = sum dY * X (two reductions, in the statistics' type, FP32 or FP64):
+      dB = s1, dscale = sum dY * xhat = invstd * (s2 - mean * s1),
+      dX = a * (dY - s1/M - xhat * dscale/M) = dY * a + (X - mean) * k2 + k3,
+      k2 = -a * invstd * dscale / M, k3 = -a * s1 / M,
+    every coefficient a [C] vector. dX is one Mul, one BatchNormalization used as the
+    per-channel affine (X - mean) * k2 + k3 (var 0, epsilon 1: its divisor is exactly 1) and
+    one Add, in the statistics' type, then one Cast to X's type (FP16 in a mixed build): the
+    coefficients are never rounded to FP16, whose per-channel rounding errors would add up
+    coherently in the sums of dX (a conv bias before the BatchNorm, whose true gradient is 0,
+    got 6% of the floor of tests/test_train_torch.py that way; one rounding of dX: 6e-5).
+    Guarantees: the gradients of X, scale and B of the batch-statistics BatchNormalization,
+    in their tensors' types."""
+    x, scale, b, mean, var = node.input[:5]
+    xdt, sdt = em.dtype(x), em.dtype(scale)
+    cdt = TensorProto.DOUBLE if em.dtype(mean) == TensorProto.DOUBLE else TensorProto.FLOAT
+    mean, var = em.cast(mean, cdt, em.dtype(mean)), em.cast(var, cdt, em.dtype(var))
+    chan = [0] + list(range(2, em.rank(x)))
+    inv = em.op("Reciprocal", [em.op("Sqrt", [em.op("Add", [var, em.const(attr(node, "epsilon", 1e-5), cdt)])])])
+    gf, xf = em.cast(gy, cdt, xdt), _statistics_input(em, x, mean, cdt)
+    s1 = em.reduce("ReduceSum", gf, chan, keepdims=0)
+    s2 = em.reduce("ReduceSum", em.op("Mul", [gf, xf]), chan, keepdims=0)
+    dscale = em.op("Mul", [inv, em.op("Sub", [s2, em.op("Mul", [mean, s1])])])
+    out = [None] * 5
+    if em.needs(scale):
+        out[1] = em.cast(dscale, sdt, cdt)
+    if b and em.needs(b):
+        out[2] = em.cast(s1, em.dtype(b), cdt)
+    if em.needs(x):
+        a = em.op("Mul", [em.cast(scale, cdt, sdt), inv])
+        count = per_channel_count(em, x, chan, cdt)
+        key = ("neg_inv", count)  # -1/M, once per feature-map shape like M itself
+        neg_inv_m = em._cache.get(key) or em._cache.setdefault(key, em.op("Div", [em.const(-1.0, cdt), count]))
+        k2 = em.op("Mul", [em.op("Mul", [a, inv]), em.op("Mul", [dscale, neg_inv_m])])
+        k3 = em.op("Mul", [a, em.op("Mul", [s1, neg_inv_m])])
+        zeros = em.op("Mul", [mean, em.const(0.0, cdt)])
+        affine = em.op("BatchNormalization", [xf, k2, k3, mean, zeros], epsilon=1.0)
+        out[0] = em.cast(em.op("Add", [em.op("Mul", [gf, em.unsqueeze(a, chan)]), affine]), xdt, cdt)
     return out
 
 
