@@ -165,7 +165,9 @@ def test_a_run_folder_built_before_flat_state_resumes_from_its_checkpoint(tmp_pa
 
 def test_a_flat_build_steps_an_old_checkpoint_as_the_old_graph_does(tmp_path):
     """The old run's checkpoint (per-tensor state) fed to a step built now from the same model
-    and options gives the same next state, bit for bit, as the old step graph."""
+    and options gives the same next state as the old step graph: to FP32 rounding, since the
+    gradients are now formulated otherwise (convolution weight gradients as GEMMs, BatchNorm's
+    own rule), so they round differently."""
     run = _old_run(tmp_path)
     old_meta = load_run(run)
     state, _ = latest_state(run)
@@ -177,10 +179,17 @@ def test_a_flat_build_steps_an_old_checkpoint_as_the_old_graph_does(tmp_path):
     assert meta["flat"] and [s["input"] for s in meta["state"]] == [s["input"] for s in old_meta["state"]]
     batch = tiny.bars(8, seed=3)
     old, new = StepRunner(run, old_meta, state), StepRunner(str(tmp_path / "new"), meta, state)
-    assert old.step(batch) == new.step(batch)
+    (loss_a, applied_a, scale_a), (loss_b, applied_b, scale_b) = old.step(batch), new.step(batch)
+    assert applied_a and applied_b and scale_a == scale_b and loss_a == pytest.approx(loss_b, rel=1e-6)
     a, b = old.state_numpy(), new.state_numpy()
-    for k in a:
-        assert np.array_equal(a[k], b[k]), k
+    assert a.keys() == b.keys()
+    # a conv bias before a BatchNorm has a gradient that cancels to rounding noise, which
+    # AdamW's first step turns into +-lr moves: its moments agree, its update cannot
+    biggest = max(np.abs(a[k]).max() for k in a if k.endswith("__exp_avg"))
+    noise = {k for k in meta["weights"] if np.abs(a[k + "__exp_avg"]).max() < 1e-5 * biggest}
+    assert noise == {"conv.bias"}
+    for k in a.keys() - noise:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 
 def test_an_old_run_folder_splits_for_data_parallelism_at_its_per_weight_gradients(tmp_path):
