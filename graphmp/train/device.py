@@ -5,12 +5,18 @@ load (it logs a warning and retries on CPU). A run that asked for CUDA must ther
 at what every session runs on (graphmp.session.ran_on) after creating it: `device="cuda"`
 then fails with one line, `device="auto"` goes on on the CPU and says so (the note ends up in the progress
 output, the summary and summary.json).
+
+The step session's CUDA provider options are chosen from the step graph (step_providers):
+graphmp.session's one rule for convolutions (prefer_nhwc=1 when any runs in FP16, cuDNN's
+training settings), plus enable_cuda_graph=1 for `--cuda-graph`, which a step graph can take
+only when every node runs on CUDA (cuda_graph_blockers says why not, before ONNX Runtime does).
 """
 from __future__ import annotations
 
 from ..errors import GraphmpError
-from ..session import CPU, CUDA, ran_on
+from ..session import CONV_OPS, CPU, CUDA, conv_provider_options, ran_on
 DEVICES = ("auto", "cpu", "cuda")
+CONTROL_FLOW = ("If", "Loop", "Scan")
 
 
 def providers_for(device: str) -> tuple[list, str | None]:
@@ -44,6 +50,53 @@ def check_session(sess, providers, device: str | None, what: str) -> str | None:
     if device == "cuda":
         raise GraphmpError(f"--device cuda: {msg}; fix that, or use --device cpu / --device auto.")
     return f"{device or 'providers'}: {msg}; running on the CPU"
+
+
+def step_cuda_options(model, cuda_graph: bool = False) -> dict:
+    """The CUDA provider options for the step graph `model` (an onnx ModelProto): the
+    convolution rule of graphmp.session.conv_provider_options (training=True; the element type
+    of each Conv/ConvTranspose's input from ONNX shape inference, run only when there are
+    convolutions), plus enable_cuda_graph=1 when cuda_graph."""
+    convs = [n for n in model.graph.node if n.op_type in CONV_OPS]
+    fp16 = 0
+    if convs:
+        from onnx import TensorProto
+        from .cuda_kernels import _elem_types
+        types = _elem_types(model)
+        fp16 = sum(types.get(n.input[0], 0) in (TensorProto.FLOAT16, TensorProto.BFLOAT16) for n in convs)
+    options = conv_provider_options(len(convs), fp16, training=True)
+    if cuda_graph:
+        options["enable_cuda_graph"] = "1"
+    return options
+
+
+def step_providers(providers, model, cuda_graph: bool = False) -> list:
+    """The providers to create the step session with: `providers` (None: the CPU) with a plain
+    CUDA entry given the step's options (step_cuda_options); a CUDA entry that already
+    carries options, ("CUDAExecutionProvider", {...}), is kept as given."""
+    providers = list(providers or [CPU])
+    return [(CUDA, step_cuda_options(model, cuda_graph)) if p == CUDA else p for p in providers]
+
+
+def cuda_graph_blockers(model, state_names) -> list:
+    """Why the step graph `model` cannot be captured as one CUDA graph (ONNX Runtime captures
+    only graphs whose every node runs on CUDA, with no copies between host and device): one
+    line per reason, [] when none is known. A batch input with a free dim (its shape math
+    runs on the CPU), a node without a CUDA kernel (graphmp.train.cuda_kernels), a
+    control-flow node. state_names: the step's state inputs (not batch inputs)."""
+    from .cuda_kernels import nodes_without_kernel
+    why = []
+    for v in model.graph.input:
+        dims = [d.dim_param or "?" for d in v.type.tensor_type.shape.dim if not d.HasField("dim_value")]
+        if v.name not in state_names and dims:
+            why.append(f"input '{v.name}' has free dims {dims} (the shape arithmetic on them runs on the CPU): "
+                       "rebuild the step with static shapes, `graphmp train-graph ... --shapes "
+                       f"{v.name}=<dims>`")
+    why += [f"node '{n.name}' ({n.op_type}) is control flow" for n in model.graph.node if n.op_type in CONTROL_FLOW]
+    if not any("control flow" in w for w in why):
+        why += [f"node '{name}' ({op}, opset {version}, {elem}) has no CUDA kernel and runs on the CPU"
+                for name, op, version, elem in nodes_without_kernel(model)]
+    return why
 
 
 def _ort_info() -> str:
