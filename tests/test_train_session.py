@@ -13,8 +13,8 @@ from fixtures import tiny as tm
 from graphmp.cli import main
 from graphmp.errors import GraphmpError
 from graphmp.session import CPU, CUDA, TRAINING_CONV_OPTIONS, conv_provider_options
-from graphmp.train.device import cuda_graph_blockers, step_cuda_options, step_providers
-from graphmp.train.flat import graph_state_names
+from graphmp.train.device import batch_dims, cuda_graph_blockers, pin_dims, step_cuda_options, step_providers
+from graphmp.train.flat import graph_state, graph_state_names, pack
 from graphmp.train.loop import latest_state, load_run, train
 from graphmp.train.runner import GRAPH_ID, StepRunner, graph_run_options
 from graphmp.train.step import build_step
@@ -180,13 +180,44 @@ def test_cuda_graph_is_refused_in_one_line_without_cuda(cnn_runs, tmp_path, caps
     assert rc == 2 and err.count("\n") == 1 and "--cuda-graph needs ONNX Runtime's CUDA provider" in err, err
 
 
-def test_cuda_graph_on_a_step_with_a_free_batch_dim_is_refused_before_any_session(cnn_runs):
+def test_cuda_graph_refusals_on_this_cpu_only_onnxruntime(cnn_runs):
+    """Asked for CUDA that does not come up (this onnxruntime has no CUDA provider), with the
+    state not bound, or without the batch size to pin: one line each, no step run."""
     run = cnn_runs["mixed"]
-    with pytest.raises(GraphmpError, match=r"--cuda-graph: .*input 'x' has free dims \['N'\].*--shapes"):
-        StepRunner(run, load_run(run), latest_state(run)[0], providers=[CUDA, CPU], cuda_graph=True)
+    meta, state = load_run(run), latest_state(run)[0]
+    with pytest.raises(GraphmpError, match="came up on CPUExecutionProvider, not CUDAExecutionProvider"):
+        StepRunner(run, meta, state, providers=[CUDA, CPU], cuda_graph=True, batch_size=16)
     with pytest.raises(GraphmpError, match="needs the state bound"):
-        StepRunner(run, load_run(run), latest_state(run)[0], providers=[CUDA, CPU], cuda_graph=True,
-                   device_state=False)
+        StepRunner(run, meta, state, providers=[CUDA, CPU], cuda_graph=True, batch_size=16, device_state=False)
+    with pytest.raises(GraphmpError, match="give batch_size"):
+        StepRunner(run, meta, state, providers=[CUDA, CPU], cuda_graph=True)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+def test_pinning_the_batch_axis_folds_the_host_side_shape_nodes_and_steps_the_same(cnn_runs, precision):
+    """pin_dims: no Shape or Size node left (under CUDA they write host memory, which blocks a
+    CUDA graph), nothing else for cuda_graph_blockers to object to, and 3 steps of the pinned
+    graph give what the step graph gives."""
+    model, meta = _step_model(cnn_runs[precision])
+    names = set(graph_state_names(meta))
+    assert any(n.op_type in ("Shape", "Size") for n in model.graph.node)  # what there is to fold
+    pinned = pin_dims(model, batch_dims(model, meta, 16))
+    assert batch_dims(model, meta, 16) == {"N": 16}
+    assert not [n.name for n in pinned.graph.node if n.op_type in ("Shape", "Size")]
+    assert cuda_graph_blockers(pinned, names) == []
+    assert "'N'" in cuda_graph_blockers(model, names)[0]  # unpinned: the free batch dim is named
+    entries = graph_state(meta)
+    sessions = [ort.InferenceSession(m.SerializeToString(), providers=[CPU]) for m in (model, pinned)]
+    states = [pack(meta, latest_state(cnn_runs[precision])[0]) for _ in sessions]
+    outputs = [meta["loss_output"], meta["finite_output"]] + [e["output"] for e in entries]
+    for batch in _batches([16, 16, 16]):
+        got = []
+        for k, sess in enumerate(sessions):
+            outs = sess.run(outputs, {**batch, **{e["input"]: states[k][e["input"]] for e in entries}})
+            states[k] = {e["input"]: v for e, v in zip(entries, outs[2:])}
+            got.append(outs)
+        for a, b in zip(*got):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_help_teaches_cuda_graph(capsys):

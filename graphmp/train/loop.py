@@ -283,7 +283,7 @@ def _start_run(run_dir: str, meta: dict, d: _Data, c: TrainConfig, providers, no
         pos = {k: ck[k] for k in pos}
     run_loss = list(ck.get("train_loss", [])) if ck else []  # the whole run's, for loss.png
     run_eval = list(ck.get("eval_history", [])) if ck else []
-    runner = StepRunner(run_dir, meta, state, providers, c.device_state, c.threads, c.cuda_graph)
+    runner = StepRunner(run_dir, meta, state, providers, c.device_state, c.threads, c.cuda_graph, c.batch_size)
     runner.where = d.where
     notes += [n for n in [check_session(runner.sess, providers, c.device, "training")] if n]
     return _Run(run_dir, meta, runner, providers, setup, pos, run_loss, run_eval, notes)

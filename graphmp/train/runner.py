@@ -9,10 +9,11 @@ Two paths, the same steps (tests/test_train.py, tests/test_train_session.py chec
   shape (OrtValue.update_inplace: made again only when the batch's shape or dtype changes),
   runs, and reads the loss, the flag and the loss scale: no per-step binding.
 - --cuda-graph (cuda_graph=True, CUDA only): the bound path with enable_cuda_graph=1 and one
-  captured graph per binding set (run option gpu_graph_id 1 and 2). ONNX Runtime replays a
+  captured graph per binding set (run option gpu_graph_id 1 and 2), on the step graph with its
+  batch axis pinned to the batch size (device.pin_dims: no shape arithmetic left for the host). ONNX Runtime replays a
   captured graph without looking at the feeds, so every input and output stays at the address
   it was captured with: the loss and flag live on the device too, and a batch of another shape
-  is an error (the step graph has static shapes anyway: cuda_graph_blockers).
+  is an error (the pinned step graph takes one shape anyway).
 The session's provider options come from the step graph (device.step_providers); what the
 session got (get_provider_options) is kept in provider_options for the summary.
 """
@@ -23,7 +24,7 @@ import numpy as np
 from ..errors import GraphmpError, first_line
 from ..session import CUDA, ran_on
 from .data import run_failure
-from .device import cuda_graph_blockers, step_providers
+from .device import batch_dims, cuda_graph_blockers, pin_dims, step_providers
 from .flat import graph_state_names, pack, unpack
 from .runfiles import REBUILD, check_state, load_onnx, run_file
 from .step import NEXT, SCALE
@@ -38,14 +39,20 @@ class StepRunner:
     path, device OrtValues when bound); state_numpy() gives it per tensor."""
 
     def __init__(self, run_dir, meta, state: dict, providers=None, device_state: bool | None = None,
-                 threads: int | None = None, cuda_graph: bool = False):
+                 threads: int | None = None, cuda_graph: bool = False, batch_size: int | None = None):
+        """cuda_graph: capture the step as CUDA graphs, its batch axis pinned to batch_size (needed then)."""
         self.meta = meta
         self.names = graph_state_names(meta)  # the step graph's state: a few flat buffers and scalars
         path = run_file(run_dir, meta, "step_model")
         model = load_onnx(path)  # a one-line error for a corrupt file, and no external data (a run's never has any)
+        source = path
         if cuda_graph:
+            if not batch_size:
+                raise GraphmpError("--cuda-graph pins the step's batch axis to the batch size: give batch_size")
+            model = pin_dims(model, batch_dims(model, meta, batch_size))
             _refuse_cuda_graph(path, model, self.names, providers, device_state)
-        self.sess = _open_session(path, step_providers(providers, model, cuda_graph), threads, cuda_graph)
+            source = model.SerializeToString()
+        self.sess = _open_session(path, source, step_providers(providers, model, cuda_graph), threads, cuda_graph)
         self.providers = self.sess.get_providers()  # what it got, not what was asked for
         self.provider_options = self.sess.get_provider_options().get(ran_on(self.sess), {})
         self.device = "cuda" if ran_on(self.sess) == CUDA else "cpu"
@@ -199,15 +206,16 @@ def _refuse_cuda_graph(path: str, model, names, providers, device_state) -> None
         raise GraphmpError(f"--cuda-graph: {path}: {why[0]}{more}; or leave out --cuda-graph")
 
 
-def _open_session(path: str, providers: list, threads: int | None, cuda_graph: bool):
-    """The step graph's InferenceSession; a session ONNX Runtime refuses is one line."""
+def _open_session(path: str, source, providers: list, threads: int | None, cuda_graph: bool):
+    """The InferenceSession of the step graph at `path` (source: the path, or the serialized
+    model when the runner changed it); a session ONNX Runtime refuses is one line naming path."""
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.log_severity_level = 4  # a failed run becomes one GraphmpError line (run_failure), not a log dump
     if threads:
         so.intra_op_num_threads = threads
     try:
-        return ort.InferenceSession(path, so, providers=providers)
+        return ort.InferenceSession(source, so, providers=providers)
     except Exception as e:  # noqa: BLE001  (ORT raises several pybind types)
         if cuda_graph:
             raise GraphmpError(f"--cuda-graph: ONNX Runtime cannot capture {path} as a CUDA graph "
