@@ -225,3 +225,34 @@ def test_help_teaches_cuda_graph(capsys):
         main(["train", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "--cuda-graph" in out and "static shapes" in out
+
+
+# --- on a GPU (skipped without onnxruntime's CUDA provider) -----------------------------------------
+
+@pytest.mark.skipif(CUDA not in ort.get_available_providers(), reason="needs onnxruntime-gpu and a GPU")
+def test_cuda_bound_and_cuda_graph_steps_follow_the_cpu_step(cnn_runs):
+    """On CUDA: the session reports the options graphmp chose (prefer_nhwc for the mixed step);
+    the bound step and the CUDA-graph step (captured, then replayed) of the FP32 step give the
+    CPU's losses to TF32 rounding, and the CUDA-graph step the bound one's to cuDNN's rounding."""
+    mixed = StepRunner(cnn_runs["mixed"], load_run(cnn_runs["mixed"]), latest_state(cnn_runs["mixed"])[0],
+                       providers=[CUDA, CPU], cuda_graph=True, batch_size=16)
+    assert mixed.provider_options["prefer_nhwc"] == "1" and mixed.provider_options["enable_cuda_graph"] == "1"
+    run = cnn_runs["fp32"]
+    meta, state = load_run(run), latest_state(run)[0]
+    runners = {"cpu": StepRunner(run, meta, state),
+               "cuda": StepRunner(run, meta, state, providers=[CUDA, CPU]),
+               "graph": StepRunner(run, meta, state, providers=[CUDA, CPU], cuda_graph=True, batch_size=16)}
+    model, _ = _step_model(run)
+    for name in ("cuda", "graph"):
+        r = runners[name]
+        assert r.device == "cuda" and r.bound and r.cuda_graph == (name == "graph")
+        for k, v in step_cuda_options(model, cuda_graph=r.cuda_graph).items():
+            assert r.provider_options[k] == v, (k, r.provider_options)
+    batches = _batches([16] * 6)
+    outs = {k: np.array([r.step(b) for b in batches]) for k, r in runners.items()}
+    assert outs["graph"][:, 1].all() and outs["cuda"][:, 1].all()  # FP32: no overflow at any scale reached here
+    np.testing.assert_allclose(outs["cuda"][:, 0], outs["cpu"][:, 0], rtol=1e-2)
+    np.testing.assert_allclose(outs["graph"], outs["cuda"], rtol=1e-4)
+    s_cuda, s_graph = runners["cuda"].state_numpy(), runners["graph"].state_numpy()
+    for k in s_cuda:
+        np.testing.assert_allclose(s_graph[k], s_cuda[k], rtol=1e-4, atol=1e-6, err_msg=k)
