@@ -40,7 +40,13 @@ class StepRunner:
 
     def __init__(self, run_dir, meta, state: dict, providers=None, device_state: bool | None = None,
                  threads: int | None = None, cuda_graph: bool = False, batch_size: int | None = None):
-        """cuda_graph: capture the step as CUDA graphs, its batch axis pinned to batch_size (needed then)."""
+        """state: per tensor (train.json "state" names: state.npz, a checkpoint). providers: ONNX
+        Runtime's (None: the CPU); a plain CUDA entry gets the step's options (step_providers).
+        device_state: keep the state bound on the session's device (None: when it runs on CUDA).
+        threads: intra-op threads (None or 0: ONNX Runtime's default). cuda_graph: capture the
+        step as CUDA graphs, its batch axis pinned to batch_size (needed then); refused in one
+        line (GraphmpError) when that cannot work. A step graph ONNX Runtime cannot load is one
+        line too."""
         self.meta = meta
         self.names = graph_state_names(meta)  # the step graph's state: a few flat buffers and scalars
         path = run_file(run_dir, meta, "step_model")
