@@ -13,11 +13,16 @@
 #    AMP FP16 + GradScaler), AdamW lr 1e-3, each engine in its own process (median of --steps
 #    after --warmup). Targets (the `targets` section of the JSON): ORT mixed >= 1.5x its FP32
 #    step, and within 1.2x torch AMP. -> DIR/train_gpu.json
-# 3. benchmarks/step_audit.py on the four step graphs at batch 32: nodes by phase, MB moved by
+# 3. benchmarks/train_session.py on the mixed ResNet-50 b32 step of 2.: the step session's
+#    settings side by side, each variant in its own process, one after the other: ORT's default
+#    CUDA options, graphmp's (prefer_nhwc=1 for FP16 convs, cuDNN EXHAUSTIVE + max workspace),
+#    and graphmp's with --cuda-graph (or the one line that refuses it). -> DIR/train_session.json
+# 4. benchmarks/step_audit.py on the four step graphs at batch 32: nodes by phase, MB moved by
 #    the non-GEMM nodes. -> DIR/audit.json ({run folder name: audit})
 # --dry-run: train.py --device cpu --tiny (the same models at toy size, batch 4, ORT CPU and
-# torch CPU), 2 timed steps, the audit at batch 4: it checks that the script runs; its numbers
-# say nothing about a GPU.
+# torch CPU), 2 timed steps, the session variants on the CPU provider (--cuda-graph refused:
+# no CUDA), the audit at batch 4: it checks that the script runs; its numbers say nothing about
+# a GPU.
 # Exit 0 done, 1 a row failed, 2 cannot run (no CUDA provider, bad wheel parts).
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -43,6 +48,7 @@ if ((DRY)); then
   source "$REPO/benchmarks/_gpu_site.sh" --dry-run
   export OMP_NUM_THREADS=1  # toy sizes: more threads only fight over a shared CPU
   device=(--device cpu --tiny)
+  session_device=(--device cpu --tiny)
   STEPS=2
   WARMUP=1
   BATCH=4
@@ -50,6 +56,7 @@ else
   # shellcheck source=benchmarks/_gpu_site.sh
   source "$REPO/benchmarks/_gpu_site.sh"
   device=(--device cuda)
+  session_device=(--device cuda)
   BATCH=32
 fi
 
@@ -57,6 +64,13 @@ rc=0
 "$PY" benchmarks/train.py "${device[@]}" --models resnet50,bert-base --steps "$STEPS" --warmup "$WARMUP" \
   --no-curves --json "$OUT/train_gpu.json" --work "$OUT/runs" || rc=$?
 if ((rc == 2)); then exit 2; fi
+if [[ -f $OUT/runs/resnet50-mixed/train.json ]]; then
+  "$PY" benchmarks/train_session.py "$OUT/runs/resnet50-mixed" "${session_device[@]}" --steps "$STEPS" \
+    --warmup "$WARMUP" --json "$OUT/train_session.json" || rc=1
+else
+  echo "train_gpu: no $OUT/runs/resnet50-mixed run folder: the session variants are not measured" >&2
+  rc=1
+fi
 runs=()
 for m in resnet50 bert-base; do
   for p in fp32 mixed; do
@@ -66,5 +80,5 @@ done
 if ((${#runs[@]})); then
   "$PY" benchmarks/step_audit.py "${runs[@]}" --batch "$BATCH" --json "$OUT/audit.json" || rc=1
 fi
-echo "train_gpu: wrote $OUT/train_gpu.json and $OUT/audit.json"
+echo "train_gpu: wrote $OUT/train_gpu.json, $OUT/train_session.json and $OUT/audit.json"
 exit $rc

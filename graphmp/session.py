@@ -31,10 +31,29 @@ def ran_on(sess) -> str:
     return sess.get_providers()[0]
 
 
+# cuDNN's convolution settings for a training step (ONNX Runtime's defaults since 1.14, pinned so
+# that another default cannot change a run): a step repeats the same shapes for thousands of
+# steps, so the exhaustive algorithm search of the first step pays back, and the weight- and
+# input-gradient convolutions' fastest algorithms need cuDNN's large workspace.
+TRAINING_CONV_OPTIONS = {"cudnn_conv_algo_search": "EXHAUSTIVE", "cudnn_conv_use_max_workspace": "1"}
+
+
+def conv_provider_options(convs: int, fp16_convs: int, training: bool = False) -> dict:
+    """The ORT CUDA provider options graphmp asks for, from a graph's Conv/ConvTranspose nodes:
+    `convs` of them, `fp16_convs` computing in FP16. The one rule for converted models
+    (session()) and training steps (graphmp.train.device): prefer_nhwc=1 when any runs in FP16
+    (Tensor Core convolutions are NHWC kernels), and for a training step with convolutions the
+    cuDNN settings of TRAINING_CONV_OPTIONS. Values are strings, as ONNX Runtime takes them."""
+    options = {"prefer_nhwc": "1"} if fp16_convs else {}
+    if training and convs:
+        options.update(TRAINING_CONV_OPTIONS)
+    return options
+
+
 def cuda_options(ctx) -> dict:
     """The ORT CUDA provider options for a conversion (after paint: ctx.lowered)."""
-    conv_low = any(n.op_type in CONV_OPS and n in ctx.lowered for _, n in ctx.nodes())
-    return {"prefer_nhwc": "1"} if conv_low else {}
+    convs = [n for _, n in ctx.nodes() if n.op_type in CONV_OPS]
+    return conv_provider_options(len(convs), sum(n in ctx.lowered for n in convs))
 
 
 def recorded_options(path) -> dict:

@@ -112,6 +112,12 @@ def test_train_gpu_dry_run(tmp_path):
     for model in ("resnet50", "bert-base"):
         for key in (("ort-cpu", "fp32"), ("ort-cpu", "mixed"), ("torch-cpu", "fp32")):
             assert rows[(model,) + key]["median_ms"] > 0, rows.get((model,) + key)
+    # the session variants of the mixed ResNet-50 step: on the CPU the same step (same loss), and
+    # --cuda-graph refused in one line (no CUDA here), not a failure
+    variants = json.loads((out / "train_session.json").read_text())["variants"]
+    assert variants["ort-default"]["median_ms"] > 0 and variants["graphmp"]["median_ms"] > 0
+    assert variants["graphmp"]["loss_first"] == variants["ort-default"]["loss_first"]
+    assert "--cuda-graph needs" in variants["graphmp-cuda-graph"]["refused"]
     audit = json.loads((out / "audit.json").read_text())
     assert set(audit) == {f"{m}-{p}" for m in ("resnet50", "bert-base") for p in ("fp32", "mixed")}
     for name, a in audit.items():

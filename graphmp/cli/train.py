@@ -171,6 +171,10 @@ def add_train(sub):
                    "torch.set_num_threads). Default (or 0): ONNX Runtime's choice, one per physical core. Give "
                    "fewer when other jobs share the cores: ONNX Runtime's idle threads spin, so two runs that "
                    "each take every core slow each other down. With --nproc each rank takes cores / N instead")
+    t.add_argument("--cuda-graph", action="store_true",
+                   help="CUDA only: capture the step as CUDA graphs and replay them (ONNX Runtime's enable_cuda_graph; "
+                   "no per-node launch cost). Needs a step built with static shapes (train-graph --shapes) whose "
+                   "every node runs on CUDA: refused in one line otherwise. Off by default")
     _add_data_parallel(t)
     add_quiet(t, "no progress line")
 
@@ -216,7 +220,7 @@ STEP_FLAGS = ("loss", "label_shape", "optimizer", "lr", "momentum", "betas", "ep
               "precision", "trainable", "calibration", "shapes", "class_axis", "ignore_index", "label_smoothing",
               "class_weights", "lr_schedule", "warmup_steps", "total_steps", "grad_accum", "force")
 TRAIN_FLAGS = ("epochs", "batch_size", "checkpoint_every", "device", "seed", "max_steps", "skip_bad_samples",
-               "threads")
+               "threads", "cuda_graph")
 
 
 def step_config(args):
@@ -293,6 +297,8 @@ def run_train_parallel(args) -> int:
     if args.threads is not None:  # the ranks split the cores themselves (distributed.py)
         raise GraphmpError("--threads is for one process; with --nproc each rank takes cores / N threads "
                            "(leave --threads out)")
+    if args.cuda_graph:
+        raise GraphmpError("--cuda-graph is for one process; leave it out with --nproc")
     if not under_torchrun():
         if args.nproc is None or args.nproc < 1:
             raise GraphmpError(f"--nproc must be at least 1, not {args.nproc}")

@@ -237,6 +237,7 @@ class TrainConfig:
     threads: int | None = None          # ONNX Runtime intra-op threads (None or 0: its default)
     skip_bad_samples: bool = False
     device: str | None = None           # "auto" | "cpu" | "cuda" (instead of providers)
+    cuda_graph: bool = False            # replay the step as captured CUDA graphs (CUDA, static shapes)
 
     @classmethod
     def from_kwargs(cls, **kw) -> "TrainConfig":
@@ -249,7 +250,7 @@ class TrainConfig:
             if not (isinstance(v[k], numbers.Integral) or (none_ok and v[k] is None)):
                 raise GraphmpError(f"{k} must be an integer{' or None' if none_ok else ''} (got {v[k]!r})")
             v[k] = None if v[k] is None else int(v[k])
-        for k in ("resume", "progress", "drop_last", "skip_bad_samples", "device_state"):
+        for k in ("resume", "progress", "drop_last", "skip_bad_samples", "device_state", "cuda_graph"):
             if not (_is_bool(v[k]) or (k == "device_state" and v[k] is None)):
                 raise GraphmpError(f"{k} must be True or False{' or None' if k == 'device_state' else ''} "
                                    f"(got {v[k]!r})")

@@ -1,9 +1,10 @@
 """train() / export(): run a step graph made by build_step on ONNX Runtime.
 
 Guarantees:
-- One step-graph run per batch. On CUDA (or with device_state=True) the state lives in
+- One step-graph run per batch (runner.StepRunner). On CUDA (or with device_state=True) the state lives in
   OrtValues on the session's device, bound with I/O binding, two buffers used in turn (outputs of step k are
-  the inputs of step k+1): a step copies the batch in and the loss / finite flag out.
+  the inputs of step k+1): a step copies the batch in and the loss / finite flag out. cuda_graph=True
+  (--cuda-graph) replays the step as captured CUDA graphs.
 - Data: an .npz (or a dict) with one array per model input, named as the input, plus the
   labels array (`labels` unless build_step was given another label_name), first axis =
   samples. Every epoch visits the samples in a fresh order (numpy default_rng(seed + epoch));
@@ -43,17 +44,16 @@ from ..errors import GraphmpError, first_line
 from ..model_io import check_writable, load_npz
 from ..save import save_model, save_npz, write_json
 from ..progress import Progress
-from .data import DataCheck, Dataset, in_order, label_rule, make_source, run_failure, whole_arrays
-from ..session import CUDA, ran_on
+from .data import DataCheck, Dataset, in_order, label_rule, make_source, whole_arrays
 from .device import check_session, providers_for
+from .runner import StepRunner
 from .evaluator import Evaluator, infer_model
-from .flat import graph_state_names, pack, unpack
 from .optim import skipped_note
 from .plot import write_loss_png
-from .runfiles import (CHECKPOINT, FIX, REBUILD, TRAIN_JSON, check_meta, check_state, export_inputs, json_file,
-                       load_onnx, read_checkpoint, read_json, refuse_run_files, run_file, writing)
+from .runfiles import (CHECKPOINT, FIX, REBUILD, TRAIN_JSON, check_meta, export_inputs, json_file,
+                       read_checkpoint, read_json, refuse_run_files, run_file, writing)
 from .config import TrainConfig
-from .step import NEXT, SCALE, STEP
+from .step import SCALE, STEP
 
 LOSS_PNG = "loss.png"
 HISTORY_KEY = "__history__loss"  # per-step train loss of the whole run, kept in each checkpoint file
@@ -127,91 +127,6 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-# --- running the step ---------------------------------------------------------------------------
-
-class StepRunner:
-    """Runs step.onnx; holds the step graph's state (its flat buffers and scalars: numpy on the plain
-    path, device OrtValues when bound); state_numpy() gives it per tensor."""
-
-    def __init__(self, run_dir, meta, state: dict, providers=None, device_state: bool | None = None,
-                 threads: int | None = None):
-        import onnxruntime as ort
-        self.meta = meta
-        self.names = graph_state_names(meta)  # the step graph's state: a few flat buffers and scalars
-        so = ort.SessionOptions()
-        so.log_severity_level = 4  # a failed run becomes one GraphmpError line (run_failure), not a log dump
-        if threads:
-            so.intra_op_num_threads = threads
-        path = run_file(run_dir, meta, "step_model")
-        load_onnx(path)  # a one-line error for a corrupt file, and no external data (a run's never has any)
-        try:
-            self.sess = ort.InferenceSession(path, so, providers=providers or ["CPUExecutionProvider"])
-        except Exception as e:  # noqa: BLE001  (ORT raises several pybind types)
-            raise GraphmpError(f"{path}: ONNX Runtime cannot load the run's step graph ({first_line(e, 200)}); "
-                               f"{REBUILD}") from None
-        self.providers = self.sess.get_providers()  # what it got, not what was asked for
-        self.bound = ran_on(self.sess) == CUDA if device_state is None else bool(device_state)
-        self.device = "cuda" if ran_on(self.sess) == CUDA else "cpu"
-        state = pack(meta, state, run_dir)  # per-tensor state -> the graph's buffers, once
-        check_state(self.sess, state, self.names, run_dir)
-        if self.bound:
-            ov = ort.OrtValue
-            self.bufs = [{n: ov.ortvalue_from_numpy(np.array(state[n], order="C"), self.device, 0) for n in self.names},
-                         {n: ov.ortvalue_from_shape_and_type(list(state[n].shape), state[n].dtype, self.device, 0)
-                          for n in self.names}]
-            self.cur = 0
-            self.io = self.sess.io_binding()
-        else:
-            self.state = {n: state[n] for n in self.names}
-        self.scale_const = None if meta["dynamic_scale"] else float(meta["config"]["loss_scale"])
-
-    where = "data"  # what the batches come from, for errors (train() sets the data file)
-
-    def step(self, batch: dict) -> tuple[float, bool, float]:
-        """One optimizer step; returns (loss, applied, loss scale after the step). An ONNX
-        Runtime failure on the batch is a one-line GraphmpError naming self.where (run_failure)."""
-        try:
-            return self._step(batch)
-        except GraphmpError:
-            raise
-        except Exception as e:  # noqa: BLE001  (ORT raises several pybind types for a bad feed)
-            raise run_failure(e, self.sess, batch, self.where, "the training step graph", self.meta) from None
-
-    def _step(self, batch: dict) -> tuple[float, bool, float]:
-        loss_name, fin = self.meta["loss_output"], self.meta["finite_output"]
-        if not self.bound:
-            feeds = dict(batch)
-            feeds.update(self.state)
-            out_names = [loss_name, fin] + [n + NEXT for n in self.names]
-            outs = self.sess.run(out_names, feeds)
-            self.state = dict(zip(self.names, outs[2:]))
-            loss, finite = outs[0], outs[1]
-            scale = self.state[SCALE] if self.scale_const is None else self.scale_const
-            return float(loss), bool(finite), float(scale)
-        io, cur, nxt = self.io, self.bufs[self.cur], self.bufs[1 - self.cur]
-        io.clear_binding_inputs()
-        io.clear_binding_outputs()
-        for k, v in batch.items():
-            io.bind_cpu_input(k, np.asarray(v, order="C"))
-        io.bind_output(loss_name, "cpu")
-        io.bind_output(fin, "cpu")
-        for n in self.names:
-            io.bind_ortvalue_input(n, cur[n])
-            io.bind_ortvalue_output(n + NEXT, nxt[n])
-        self.sess.run_with_iobinding(io)
-        loss, finite = (o.numpy() for o in io.get_outputs()[:2])
-        self.cur = 1 - self.cur
-        scale = nxt[SCALE].numpy() if self.scale_const is None else self.scale_const
-        return float(loss), bool(finite), float(scale)
-
-    def state_numpy(self) -> dict:
-        """The state per tensor (train.json "state" names: what checkpoints, eval and export
-        read), copies of the graph's buffers."""
-        if not self.bound:
-            return unpack(self.meta, self.state)
-        return unpack(self.meta, {n: np.array(v.numpy()) for n, v in self.bufs[self.cur].items()})
 
 
 # --- eval -------------------------------------------------------------------------------------
@@ -368,7 +283,7 @@ def _start_run(run_dir: str, meta: dict, d: _Data, c: TrainConfig, providers, no
         pos = {k: ck[k] for k in pos}
     run_loss = list(ck.get("train_loss", [])) if ck else []  # the whole run's, for loss.png
     run_eval = list(ck.get("eval_history", [])) if ck else []
-    runner = StepRunner(run_dir, meta, state, providers, c.device_state, c.threads)
+    runner = StepRunner(run_dir, meta, state, providers, c.device_state, c.threads, c.cuda_graph, c.batch_size)
     runner.where = d.where
     notes += [n for n in [check_session(runner.sess, providers, c.device, "training")] if n]
     return _Run(run_dir, meta, runner, providers, setup, pos, run_loss, run_eval, notes)
@@ -454,7 +369,8 @@ def _summary(r: _Run, d: _Data, state: dict, note) -> dict:
         "last_loss": history["loss"][-1] if history["loss"] else None,
         "eval": r.ev_result, "seconds_per_step": statistics.median(r.times) if r.times else None,
         "device": r.runner.device, "providers": r.runner.providers, "device_note": "; ".join(r.notes) or None,
-        "state_on_device": r.runner.bound, "precision": meta["config"]["precision"],
+        "state_on_device": r.runner.bound, "provider_options": r.runner.provider_options,
+        "cuda_graph": r.runner.cuda_graph, "precision": meta["config"]["precision"],
         "epochs_done": pos["epoch"], "eval_per_epoch": r.run_eval,
         "dropped_samples": {"train": d.src.check.dropped, "eval": d.eval_src.check.dropped if d.eval_src else 0},
         "loss_curve": LOSS_PNG, "skipped_note": note or None,
