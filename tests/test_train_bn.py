@@ -238,3 +238,14 @@ def test_bn_momentum_is_onnx_convention_and_a_torch_looking_value_is_warned(tmp_
             assert np.abs(ref).max() > 1e-3  # the batch moved it
         else:  # (1 - 0.1) / (1 - 0.9) = 9 times the 0.9 run's move from 0
             np.testing.assert_allclose(got, 9 * ref, rtol=1e-5, atol=1e-7)
+
+
+def test_precision_cost_knows_every_shape_of_a_maxpool_cnn_step(tmp_path):
+    """A step with MaxPool's backward (index math over the whole input) is measured without
+    losing a shape: onnx's data propagation, which materialised those index tensors, failed
+    on a ResNet-50 step after 13 GB and left every GEMM unknown."""
+    path = str(tmp_path / "cnn.onnx")
+    onnx.save(tm.cnn(), path)
+    meta = build_step(path, str(tmp_path / "run"), precision="mixed", optimizer="sgd", lr=0.1)
+    cost = meta["precision_cost"]
+    assert cost["unknown_shapes"] == 0 and cost["gemm_gflop"] > 0 and cost["gemm_low_share"] == 1.0
