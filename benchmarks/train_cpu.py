@@ -8,6 +8,7 @@ Goal: graphmp's step <= 1.2x torch's, FP32 and mixed.
 
     python benchmarks/train_cpu.py [--cases resnet50,resnet18,bert]
         [--rounds 3] [--warmup 1] [--threads 1] [--json benchmarks/results/train_cpu.json] [--tiny]
+        [--before DIR]
 
 Cases:
   resnet50  torchvision-layout ResNet-50 (bottleneck 3-4-6-3), batch 4 of 3x112x112, 1000 classes
@@ -85,11 +86,17 @@ def measure(spec: dict, prep: dict, args) -> dict:
     engines = {"torch-fp32": ti.torch_engine(prep["module"], prep["batch"], args.threads),
                "graphmp-fp32": ti.graphmp_engine(prep["runs"]["fp32"], prep["batch"], args.threads),
                "graphmp-mixed": ti.graphmp_engine(prep["runs"]["mixed"], prep["batch"], args.threads)}
+    for prec, run in prep.get("before", {}).items():  # --before: the same steps as an older checkout built them
+        engines[f"graphmp-{prec}-before"] = ti.graphmp_engine(run, prep["batch"], args.threads)
     timed = ti.interleave(engines, args.rounds, args.warmup)
     rows = {k: ti.row(v) for k, v in timed.items()}
     torch_ms, torch_loss = rows["torch-fp32"]["median_ms"], rows["torch-fp32"]["loss"]
     ratios = {f"graphmp_{p}_vs_torch": round(rows[f"graphmp-{p}"]["median_ms"] / torch_ms, 3) for p in LOSS_RTOL}
     ratios["graphmp_mixed_vs_fp32"] = round(rows["graphmp-mixed"]["median_ms"] / rows["graphmp-fp32"]["median_ms"], 3)
+    for prec in prep.get("before", {}):
+        before = rows[f"graphmp-{prec}-before"]["median_ms"]
+        ratios[f"graphmp_{prec}_before_vs_torch"] = round(before / torch_ms, 3)
+        ratios[f"graphmp_{prec}_vs_before"] = round(rows[f"graphmp-{prec}"]["median_ms"] / before, 3)
     losses = {p: {"rel_diff_vs_torch": round(ti.rel_diff(rows[f"graphmp-{p}"]["loss"], torch_loss), 6),
                   "tolerance": LOSS_RTOL[p]} for p in LOSS_RTOL}
     for v in losses.values():
@@ -108,6 +115,11 @@ def print_case(name: str, res: dict) -> None:
           f"({q['graphmp_mixed_vs_torch']:.2f}x; {q['graphmp_mixed_vs_fp32']:.2f}x FP32); loss torch "
           f"{r['torch-fp32']['loss']:.4f} fp32 {r['graphmp-fp32']['loss']:.4f} mixed {r['graphmp-mixed']['loss']:.4f}"
           + ("" if r["graphmp-mixed"]["applied"] else " (mixed step skipped: loss scale overflow)"), flush=True)
+    for p in ("fp32", "mixed"):
+        if f"graphmp-{p}-before" in r:
+            print(f"  before ({p}): {r[f'graphmp-{p}-before']['median_ms']:.1f} ms "
+                  f"({q[f'graphmp_{p}_before_vs_torch']:.2f}x torch); now / before {q[f'graphmp_{p}_vs_before']:.2f}x",
+                  flush=True)
     for p, a in res["step_graph"].items():
         print(f"  step graph {p}: nodes {a['nodes']}, non-GEMM {a['non_gemm_mb']} MB {a['non_gemm_mb_by_phase']}",
               flush=True)
@@ -122,6 +134,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="toy sizes: checks the script, times mean nothing")
     ap.add_argument("--work", help="folder for the exported models and run folders (default: a temporary one)")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "train_cpu.json"))
+    ap.add_argument("--before", help="a folder of run folders <case>-fp32 / <case>-mixed built by an older checkout "
+                                     "(e.g. this script's --work there): timed in the same rounds, as *-before")
     args = ap.parse_args(argv)
     env = ti.enter_protocol_env(args.threads, reexec=argv is None)
     specs = cases(args.tiny)
@@ -137,6 +151,8 @@ def main(argv=None) -> int:
            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "cases": {}}
     for name in names:
         prep = prepare(name, specs[name], work)
+        if args.before:
+            prep["before"] = {p: os.path.join(args.before, f"{name}-{p}") for p in LOSS_RTOL}
         out["cases"][name] = measure(specs[name], prep, args)
         print_case(name, out["cases"][name])
         del prep

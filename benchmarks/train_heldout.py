@@ -128,11 +128,16 @@ def check_model(name: str, spec: dict, work: str, args) -> dict:
         noisy, _ = ti.carried_steps(engines["torch-fp32"], feeds, applied, perturb=NOISE_REL)
         out["torch_losses"][prec] = [round(x, 6) for x in ref]
         out["losses"][prec] = loss_agreement(ref, losses, applied[:args.steps].count(False), prec, noisy)
+    for prec in PRECISIONS if args.before else ():  # the same steps as an older checkout built them, timed alike
+        engines[f"graphmp-{prec}-before"] = ti.graphmp_engine(os.path.join(args.before, f"{name}-{prec}"), batch,
+                                                             args.threads)
     timed = ti.interleave(engines, args.rounds, args.warmup)
     out["rows"] = {k: ti.row(v) for k, v in timed.items()}
     t = out["rows"]["torch-fp32"]["median_ms"]
     out["ratios"] = {f"graphmp_{p}_vs_torch": round(out["rows"][f"graphmp-{p}"]["median_ms"] / t, 3)
                      for p in PRECISIONS if f"graphmp-{p}" in out["rows"]}
+    out["ratios"].update({f"graphmp_{p}_before_vs_torch": round(out["rows"][f"graphmp-{p}-before"]["median_ms"] / t, 3)
+                          for p in PRECISIONS if f"graphmp-{p}-before" in out["rows"]})
     out["build_s"] = {k: round(v, 1) for k, v in out["build_s"].items()}
     return out
 
@@ -144,6 +149,10 @@ def print_model(name: str, res: dict, steps: int) -> None:
               f"step {res['rows'][f'graphmp-{prec}']['median_ms']:.1f} ms = "
               f"{res['ratios'][f'graphmp_{prec}_vs_torch']:.2f}x torch "
               f"({res['rows']['torch-fp32']['median_ms']:.1f} ms)", flush=True)
+    for prec in PRECISIONS:
+        if f"graphmp_{prec}_before_vs_torch" in res["ratios"]:
+            print(f"{name} {prec} before: {res['rows'][f'graphmp-{prec}-before']['median_ms']:.1f} ms = "
+                  f"{res['ratios'][f'graphmp_{prec}_before_vs_torch']:.2f}x torch", flush=True)
     for prec, err in res.get("errors", {}).items():
         print(f"{name} {prec}: FAILED {err}", flush=True)
 
@@ -158,6 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--work", help="folder for the exported models and run folders (default: a temporary one)")
     ap.add_argument("--json", default=os.path.join(HERE, "results", "train_heldout.json"))
+    ap.add_argument("--before", help="a folder of run folders <model>-fp32 / <model>-mixed built by an older "
+                                     "checkout (its --work): timed in the same rounds, as *-before")
     args = ap.parse_args(argv)
     env = ti.enter_protocol_env(args.threads, reexec=argv is None)
     specs = models(args.tiny)

@@ -92,44 +92,75 @@ def _suffixed(w: str, suffix: str) -> str:
 
 
 def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str,
-              state_name=_suffixed) -> tuple[dict, dict]:
+              state_name=_suffixed, applied: str | None = None, out_name=None) -> tuple[dict, dict]:
     """Needs {weight tensor: its gradient} (any shapes: per-weight tensors, or one flat buffer),
-    the lr tensor and the new step count as FP32. Returns ({state input: new value (ungated)},
-    {moment state: the weight it belongs to}); a moment of weight w is named
-    state_name(w, "__momentum" | "__exp_avg" | "__exp_avg_sq")."""
+    the lr tensor and the new step count as FP32. Returns ({state input: new value}, {moment
+    state: the weight it belongs to}); a moment of weight w is named state_name(w, "__momentum"
+    | "__exp_avg" | "__exp_avg_sq"), and a new value is written to out_name(state) when that
+    gives a name (the graph's output, so no copy follows).
+
+    Without `applied` the new values are ungated (the caller selects them). With `applied`
+    (a bool scalar) they are gated by their scalar coefficients, with no pass over the state:
+    when it is False every coefficient that moves the state is 0 and every one that keeps it
+    is 1, so each new value equals its input (m * 1 + 0, w - 0). That needs gradients that are
+    0 where the step is not applied (gated_grads): a NaN gradient times 0 would still be NaN.
+
+    AdamW is torch's w - step_size * m / (sqrt(v) / sqrt(bc2) + eps) with sqrt(bc2) moved into
+    the scalars: w - (step_size * sqrt(bc2)) * m / (sqrt(v) + eps * sqrt(bc2)), one pass over
+    the buffer fewer (a difference of FP32 rounding only)."""
     new, moments = {}, {}
     wd = cfg["weight_decay"]
+    out_name = out_name or (lambda _: None)
+    on = b.op("Cast", [applied], to=TensorProto.FLOAT) if applied is not None else None  # 1.0 / 0.0
+
+    def moving(c):
+        """A coefficient that moves the state: c, or 0 on a skipped step."""
+        c = c if isinstance(c, str) else b.const(c)
+        return c if on is None else b.op("Mul", [c, on])
+
+    def keeping(c):
+        """A coefficient that carries the state over: c, or 1 on a skipped step."""
+        c = c if isinstance(c, str) else b.const(c)
+        return c if on is None else b.op("Where", [applied, c, b.const(1.0)])
+
     if cfg["optimizer"] == "sgd":
         mom = cfg["momentum"]
         for w, g in grads.items():
             if wd:
-                g = b.op("Add", [g, b.op("Mul", [w, b.const(wd)])])
+                g = b.op("Add", [g, b.op("Mul", [w, moving(wd)])])
             if mom:
                 buf = state_name(w, "__momentum")
-                g = b.op("Add", [b.op("Mul", [buf, b.const(mom)]), g])
+                g = b.op("Add", [b.op("Mul", [buf, keeping(mom)]), g], out=out_name(buf))
                 new[buf] = g
                 moments[buf] = w
-            new[w] = b.op("Sub", [w, b.op("Mul", [g, lr])])
+            new[w] = b.op("Sub", [w, b.op("Mul", [g, moving(lr)])], out=out_name(w))
         return new, moments
     b1, b2 = cfg["betas"]
-    eps = cfg["eps"]
     # bias corrections from the new step count t (as torch: step is incremented first)
     bc1 = b.op("Sub", [b.const(1.0), b.op("Pow", [b.const(b1), step_next_f])])
-    bc2 = b.op("Sub", [b.const(1.0), b.op("Pow", [b.const(b2), step_next_f])])
-    step_size = b.op("Div", [lr, bc1])
-    bc2_sqrt = b.op("Sqrt", [bc2])
-    keep = b.op("Sub", [b.const(1.0), b.op("Mul", [lr, b.const(wd)])]) if wd else None
+    bc2_sqrt = b.op("Sqrt", [b.op("Sub", [b.const(1.0), b.op("Pow", [b.const(b2), step_next_f])])])
+    alpha = moving(b.op("Mul", [b.op("Div", [lr, bc1]), bc2_sqrt]))
+    eps = b.op("Mul", [b.const(cfg["eps"]), bc2_sqrt])
+    keep = keeping(b.op("Sub", [b.const(1.0), b.op("Mul", [lr, b.const(wd)])])) if wd else None
     for w, g in grads.items():
         m, v = state_name(w, "__exp_avg"), state_name(w, "__exp_avg_sq")
         decayed = b.op("Mul", [w, keep]) if wd else w
-        m_new = b.op("Add", [b.op("Mul", [m, b.const(b1)]), b.op("Mul", [g, b.const(1.0 - b1)])])
-        v_new = b.op("Add", [b.op("Mul", [v, b.const(b2)]),
-                             b.op("Mul", [b.op("Mul", [g, g]), b.const(1.0 - b2)])])
-        denom = b.op("Add", [b.op("Div", [b.op("Sqrt", [v_new]), bc2_sqrt]), b.const(eps)])
-        new[w] = b.op("Sub", [decayed, b.op("Mul", [b.op("Div", [m_new, denom]), step_size])])
+        m_new = b.op("Add", [b.op("Mul", [m, keeping(b1)]), b.op("Mul", [g, moving(1.0 - b1)])], out=out_name(m))
+        v_new = b.op("Add", [b.op("Mul", [v, keeping(b2)]),
+                             b.op("Mul", [b.op("Mul", [g, g]), moving(1.0 - b2)])], out=out_name(v))
+        denom = b.op("Add", [b.op("Sqrt", [v_new]), eps])
+        new[w] = b.op("Sub", [decayed, b.op("Mul", [b.op("Div", [m_new, denom]), alpha])], out=out_name(w))
         new[m], new[v] = m_new, v_new
         moments[m] = moments[v] = w
     return new, moments
+
+
+def gated_grads(b: Builder, grads: dict, applied: str) -> dict:
+    """{weight: its gradient where `applied`, else 0} (one Where per gradient against a scalar
+    0, the form ORT's CPU Where runs fastest: 5.0 ms for 11.7M floats, 1 thread, where a Where
+    between two buffers takes 8.8 and a Mul 3.7), for optimizer(..., applied=...)."""
+    zero = b.const(0.0)
+    return {w: b.op("Where", [applied, g, zero]) for w, g in grads.items()}
 
 
 def accumulate(b: Builder, grads: dict, n: int, state_name=_suffixed) -> tuple[dict, str, dict]:

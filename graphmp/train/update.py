@@ -6,18 +6,23 @@ weights at once (graphmp.train.flat holds the layout):
     [accumulation: flat__accum]                               one Add, one Div, one Where
     all_finite = no inf/NaN in flat__grad and the loss        ONE finite check
     [clipping: one global norm]  SGD / AdamW on flat__weights and the flat moments
-    X__next = Where(applied, new X, X) per buffer             one select per buffer
+    g' = Where(applied, g, 0)                                 ONE select, against a scalar
+    X__next = the optimizer's new X, its scalar coefficients   no select per buffer: a skipped
+              gated by `applied` (optim.optimizer)              step's coefficients keep X as is
     flat__bn_stats__next = Where(finite, Concat(new running statistics), flat__bn_stats)
 The node count of this phase does not grow with the number of weights, except for a Reshape
 (a view, no copy) per tensor that is not 1-D, around the Splits and Concats that unpack and
 pack them.
 
-The select is a Where per buffer: exact (a NaN gradient times 0 is NaN, so masking by
-arithmetic would not leave a skipped step's state as it was) and a plain elementwise kernel
-on any provider. One `If` for all buffers (pass-through else branch, the update in or out of
-its then branch) measured no faster on ORT's CPU provider for a ResNet-50 step (within the
-noise, benchmarks/README.md), and it would need the flag on the host mid-graph (CUDA waits
-for it) and cannot be captured in a CUDA graph.
+The select is one Where on the gradient, then arithmetic: with the gradient 0 on a skipped
+step, coefficients of 1 (kept) and 0 (moved) leave every buffer equal to its input (m * 1 +
+0 * 0, w - x * 0), and the NaN of an overflowed gradient never reaches the state. A Where
+per buffer (weights and each moment, as before) selected between two whole buffers, ORT
+CPU's slowest form of Where (8.8 ms for 11.7M floats, 1 thread, against 5.0 for the
+gradient's Where with a scalar 0 and 3.7 for a Mul): three of them were 28 of the 97 ms of
+ResNet-18's update (benchmarks/train_profile.py). One `If` for all buffers measured no
+faster for a ResNet-50 step (benchmarks/README.md), needs the flag on the host mid-graph
+(CUDA waits for it) and cannot be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -98,8 +103,9 @@ def add_update(model, cfg: dict, loss_t: str, weights: list, bn: dict, grads_sca
     for name, kind in kinds.items():
         if kind == "accum":  # accumulate()'s next value already holds the window logic
             b.op("Identity", [new[name]], out=name + NEXT)
-        else:  # BN statistics follow each finite forward, the rest each applied step
-            b.op("Where", [finite if kind == "bn" else applied, new[name], name], out=name + NEXT)
+        elif kind == "bn":  # BN statistics follow each finite forward
+            b.op("Where", [finite, new[name], name], out=name + NEXT)
+        # weights and moments: the optimizer wrote name + NEXT, gated by its coefficients
     b.op("Where", [applied, new[STEP], STEP], out=STEP + NEXT)
     size = fl.buffer_size(table)
     for name, kind in kinds.items():
@@ -136,9 +142,10 @@ def _set_pairs(st: State, cfg: dict, weights: list, bn_stats: list, kinds: dict,
 
 def _update(b: Builder, cfg: dict, g: str, loss_t: str, st: State):
     """Accumulation, finiteness, clipping, schedule, optimizer and loss-scale update on the flat
-    gradient g. Returns ({state: new value ungated}, the `applied` flag gating weights, moments
-    and step, this run's finite flag (gates BN statistics), {buffer: kind} of the weights,
-    moment and accumulation buffers)."""
+    gradient g. Returns ({state: new value} (the weights and moments already gated and written
+    to their X__next outputs; the step and accumulation ungated), the `applied` flag gating
+    them, this run's finite flag (gates BN statistics), {buffer: kind} of the weights, moment
+    and accumulation buffers)."""
     n = cfg["grad_accum"]
     grads = {fl.WEIGHTS: g}
     kinds = {fl.WEIGHTS: "weight"}
@@ -157,8 +164,9 @@ def _update(b: Builder, cfg: dict, g: str, loss_t: str, st: State):
         grads = optim.clip(b, grads, cfg["clip_norm"])
     step_next = b.op("Add", [STEP, b.const(1, np.int64)])
     lr = optim.lr_tensor(b, cfg, STEP)
-    new, moments = optim.optimizer(b, cfg, grads, lr, b.op("Cast", [step_next], to=TensorProto.FLOAT),
-                                   state_name=_flat_name)
+    new, moments = optim.optimizer(b, cfg, optim.gated_grads(b, grads, applied), lr,
+                                   b.op("Cast", [step_next], to=TensorProto.FLOAT), state_name=_flat_name,
+                                   applied=applied, out_name=lambda state: state + NEXT)
     kinds.update({m: "moment" for m in moments})
     new[STEP] = step_next
     new.update(nxt)

@@ -13,8 +13,14 @@ def _inputs(node, n):
 
 
 def _zero_where(em: Emitter, cond: str, g: str, keep_when_true=True) -> str:
-    zero = em.like(0.0, g)
-    return em.op("Where", [cond, g, zero] if keep_when_true else [cond, zero, g])
+    """g where the bool tensor `cond` holds (where it does not, with keep_when_true=False), else
+    0, as g * Cast(cond): exact for finite g (g * 1 = g, g * 0 = 0), while an inf or NaN of g
+    at a masked place gives NaN (the finite check then skips the step) where a select gives 0.
+    ORT CPU's Where with a per-element condition is ~8x slower than Cast + Mul (a ReLU gradient
+    of [4, 256, 28, 28]: 3.2 ms vs 0.39 ms, 1 thread; Where:backward was 32 ms of a 408 ms
+    ResNet-50 step, benchmarks/train_profile.py)."""
+    mask = cond if keep_when_true else em.op("Not", [cond])
+    return em.op("Mul", [g, em.op("Cast", [mask], to=em.dtype(g))])
 
 
 # Half the relative spacing of FP16 / BF16 numbers (2^-11 = 2^-(10 mantissa bits + 1); 2^-8):
