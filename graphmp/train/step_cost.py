@@ -35,6 +35,9 @@ def _shapes_at(model: onnx.ModelProto, shapes: dict) -> dict:
     # whole activations): 11 s and 13 GB on a ResNet-50 step, and then it failed. What it
     # gave that matters here, the lengths of Reshape(x, Shape(y)) (a gradient shaped like its
     # tensor), is declared from y's inferred shape instead, a few rounds until nothing is new.
+    # Where lengths stay unknown even so (a Reshape to a computed Concat), data propagation
+    # runs after all, but only on a graph without Range, whose outputs it materialises.
+    pinned = m
     for _ in range(MAX_ROUNDS):
         try:
             m = onnx.shape_inference.infer_shapes(m)
@@ -43,7 +46,19 @@ def _shapes_at(model: onnx.ModelProto, shapes: dict) -> dict:
         info = _info(m)
         if not _declare_reshapes_to_shapes(m, info):
             break
-    return _info(m)
+    info = _info(m)
+    if _unknown_nodes(model, info) and not any(n.op_type == "Range" for n in model.graph.node):
+        try:
+            info = _info(onnx.shape_inference.infer_shapes(pinned, data_prop=True))
+        except Exception:  # noqa: BLE001 - keep what plain inference gave
+            pass
+    return info
+
+
+def _unknown_nodes(model: onnx.ModelProto, info: dict) -> int:
+    """How many GEMM-like or Cast nodes have a tensor whose shape `info` does not know."""
+    return sum(1 for n in model.graph.node if n.op_type in GEMM_OPS + ("Cast",)
+               and any(_known(info, t) is None for t in list(n.input[:2]) + list(n.output[:1]) if t))
 
 
 def _info(m: onnx.ModelProto) -> dict:
