@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -128,23 +127,12 @@ def print_case(name: str, res: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="resnet50,resnet18,bert")
-    ap.add_argument("--rounds", type=int, default=3, help="timed steps per engine, one per round")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--tiny", action="store_true", help="toy sizes: checks the script, times mean nothing")
-    ap.add_argument("--work", help="folder for the exported models and run folders (default: a temporary one)")
-    ap.add_argument("--json", default=os.path.join(HERE, "results", "train_cpu.json"))
-    ap.add_argument("--before", help="a folder of run folders <case>-fp32 / <case>-mixed built by an older checkout "
-                                     "(e.g. this script's --work there): timed in the same rounds, as *-before")
+    ti.add_run_args(ap, os.path.join(HERE, "results", "train_cpu.json"), "case")
     args = ap.parse_args(argv)
     env = ti.enter_protocol_env(args.threads, reexec=argv is None)
     specs = cases(args.tiny)
-    names = args.cases.split(",")
-    bad = [n for n in names if n not in specs]
-    if bad:
-        ap.error(f"unknown case(s) {bad}; choose from {sorted(specs)}")
-    work = args.work or tempfile.mkdtemp(prefix="graphmp-train-cpu-")
-    os.makedirs(work, exist_ok=True)
+    names = ti.chosen(ap, args.cases, specs, "case")
+    work = ti.work_dir(args, "graphmp-train-cpu-")
     out = {"schema": "train_cpu/1", "host": platform.node(), "cpu_count": os.cpu_count(), **ti.versions(),
            "threads": args.threads, "env": env, "rounds": args.rounds, "warmup": args.warmup, "tiny": args.tiny,
            "optimizer": f"AdamW lr {ti.LR}, weight decay 0, both engines", "goal_max_ratio": GOAL, "work": work,

@@ -39,7 +39,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -161,23 +160,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="resnet34,resnext,tagger")
     ap.add_argument("--steps", type=int, default=5, help="updates in the loss-agreement run")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--work", help="folder for the exported models and run folders (default: a temporary one)")
-    ap.add_argument("--json", default=os.path.join(HERE, "results", "train_heldout.json"))
-    ap.add_argument("--before", help="a folder of run folders <model>-fp32 / <model>-mixed built by an older "
-                                     "checkout (its --work): timed in the same rounds, as *-before")
+    ti.add_run_args(ap, os.path.join(HERE, "results", "train_heldout.json"), "model")
     args = ap.parse_args(argv)
     env = ti.enter_protocol_env(args.threads, reexec=argv is None)
     specs = models(args.tiny)
-    names = args.models.split(",")
-    bad = [n for n in names if n not in specs]
-    if bad:
-        ap.error(f"unknown model(s) {bad}; choose from {sorted(specs)}")
-    work = args.work or tempfile.mkdtemp(prefix="graphmp-train-heldout-")
-    os.makedirs(work, exist_ok=True)
+    names = ti.chosen(ap, args.models, specs, "model")
+    work = ti.work_dir(args, "graphmp-train-heldout-")
     out = {"schema": "train_heldout/1", "host": platform.node(), **ti.versions(), "threads": args.threads, "env": env,
            "steps": args.steps, "rounds": args.rounds, "tiny": args.tiny,
            "optimizer": f"AdamW lr {ti.LR}, weight decay 0, both engines", "work": work,

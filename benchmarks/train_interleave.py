@@ -22,6 +22,7 @@ import copy
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -226,3 +227,33 @@ def versions() -> dict:
         import torch
         out["torch"] = torch.__version__
     return out
+
+
+def add_run_args(ap, json_default: str, what: str) -> None:
+    """The options train_cpu.py and train_heldout.py share: --rounds, --warmup, --threads,
+    --tiny, --work, --json (default json_default), --before (run folders <what>-fp32 /
+    <what>-mixed built by an older checkout)."""
+    ap.add_argument("--rounds", type=int, default=3, help="timed steps per engine, one per round")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tiny", action="store_true", help="toy sizes: checks the script, times mean nothing")
+    ap.add_argument("--work", help="folder for the exported models and run folders (default: a temporary one)")
+    ap.add_argument("--json", default=json_default)
+    ap.add_argument("--before", help=f"a folder of run folders <{what}>-fp32 / <{what}>-mixed built by an older "
+                                     "checkout (its --work): timed in the same rounds, as *-before")
+
+
+def chosen(ap, csv: str, specs: dict, what: str) -> list:
+    """The names in `csv` (comma-separated), each a key of specs; else ap.error naming them."""
+    names = csv.split(",")
+    bad = [n for n in names if n not in specs]
+    if bad:
+        ap.error(f"unknown {what}(s) {bad}; choose from {sorted(specs)}")
+    return names
+
+
+def work_dir(args, prefix: str) -> str:
+    """args.work (made if missing), or a new temporary folder named with prefix."""
+    work = args.work or tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(work, exist_ok=True)
+    return work
