@@ -140,6 +140,23 @@ def test_pack_and_unpack_are_inverse_and_refuse_a_foreign_state(tmp_path):
         pack(meta, {k: v for k, v in state.items() if k != "fc.bias"}, "somewhere")
 
 
+def test_a_packing_table_with_overlapping_offsets_is_one_line_naming_the_buffer(tmp_path):
+    """A run folder's train.json is untrusted: a table whose offsets do not follow each other
+    (unpack would read another tensor's values, or past the buffer) is refused when the run
+    is loaded, before any step."""
+    import json
+    p = str(tmp_path / "cnn.onnx")
+    onnx.save(tiny.cnn(), p)
+    run = tmp_path / "run"
+    build_step(p, str(run), loss="cross-entropy", optimizer="sgd", lr=0.1)
+    meta = json.loads((run / "train.json").read_text())
+    table = meta["flat"]["buffers"]["flat__weights"]
+    table[1][1] = table[0][1]  # the second tensor read from the first one's place
+    (run / "train.json").write_text(json.dumps(meta))
+    with pytest.raises(GraphmpError, match="'flat__weights' has gaps or overlaps"):
+        load_run(str(run))
+
+
 def _old_run(tmp_path) -> str:
     run = str(tmp_path / "old")
     shutil.copytree(OLD_RUN, run)

@@ -122,6 +122,9 @@ def check_flat(flat, bad) -> None:
         for k, v in buffers.items())
     if not ok or not isinstance(flat.get("grad"), str):
         bad("flat", "an object with 'buffers' {buffer: [[tensor, offset, shape], ...]} and 'grad'")
+    for name, table in buffers.items():  # pack() concatenates in table order; unpack() reads the offsets
+        if [e[1] for e in table] != [e[1] for e in layout([(e[0], e[2]) for e in table])]:
+            bad("flat", f"a packing table whose offsets follow each other (buffer '{name}' has gaps or overlaps)")
 
 
 # --- in the step graph --------------------------------------------------------------------
