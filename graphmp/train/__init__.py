@@ -9,10 +9,15 @@
     measure.py    declare_measured(): tensor ranks/dims onnx inference loses, measured in ONNX Runtime
     losses.py     add_loss(): cross-entropy (torch's semantics: class axis, ignore index, smoothing, weights) or MSE
     optim.py      the update as ONNX nodes: finite check, clipping, lr schedule, grad accumulation, SGD/AdamW, loss scale
+    update.py     add_update(): the update phase over flat buffers (one unscale, finite check, select, optimizer)
+    flat.py       flat state buffers: the packing table, pack()/unpack()/next_state(), the weights' views in the graph
+    step_cost.py  precision_cost(): the FP16 share of a step's GEMM FLOPs and its Cast bytes (train.json)
     autodiff.py   add_backward(): gradient nodes for a forward graph, dtype by dtype
     emitter.py    the node Emitter rules are written with, and the rule registry (RULES, ZERO_GRAD, NEEDS_OPSET)
-    rules/        one gradient rule per ONNX op, a module per family (docs/training_ops.md lists them)
+    rules/        one gradient rule per ONNX op, a module per family (docs/training_ops.md lists them);
+                  rules/conv_gemm.py writes convolution weight gradients as GEMMs
     loop.py       train() / export(): run the step graph on ONNX Runtime, checkpoints, eval, summary
+    runner.py     StepRunner: one step per call, state packed into the flat buffers, fixed bindings on CUDA
     data.py       training/eval data: .npz or batch iterables, batching, label and NaN/inf checks before use
     device.py     which ONNX Runtime providers a run asks for, and a check that it got them
     cuda_kernels.py  ORT CUDA kernel table for the step graphs' ops; nodes_without_kernel() (docs/cuda_kernels.md)
