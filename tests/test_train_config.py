@@ -64,6 +64,7 @@ def test_unknown_keys_are_named(mlp_path, tmp_path):
     ({"class_weights": "1,x"}, "expected comma-separated numbers"),
     ({"label_smoothing": 1.0}, "label_smoothing must be in [0, 1)"),
     ({"loss": "mse", "ignore_index": -100}, "only apply to the cross-entropy loss"),
+    ({"shapes": "x:8,3,48,192"}, "--shapes: '3' is not NAME:DIMS"),  # refused even where no phase reads it
 ])
 def test_bad_step_values(kw, msg):
     with pytest.raises(GraphmpError) as e:

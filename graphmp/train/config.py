@@ -162,6 +162,12 @@ def _convert_step_values(v: dict, bad) -> None:
     v["label_name"] = _text(bad, "label_name", v["label_name"], none_ok=False)
     if v["shapes"] is not None and not isinstance(v["shapes"], (str, dict)):
         bad(f"shapes must be a string such as 'x:1x3x224x224' or a dict {{input: dims}} (got {v['shapes']!r})")
+    if isinstance(v["shapes"], str):  # a malformed string is the build's error whether or not a phase reads it
+        from ..inputs import parse_shapes
+        try:
+            parse_shapes(v["shapes"])
+        except GraphmpError as e:
+            bad(str(e))
 
 
 def _check_step_values(v: dict, bad) -> None:
