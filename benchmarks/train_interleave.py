@@ -132,9 +132,10 @@ def build(onnx_path: str, run_dir: str, precision: str, **extra) -> tuple[dict, 
 
 
 @contextlib.contextmanager
-def quiet_sessions():
+def quiet_sessions(profile_prefix: str | None = None):
     """While open, every onnxruntime.SessionOptions made (StepRunner makes its own) flushes
-    denormals and has no spin-waiting worker threads (see the module docstring)."""
+    denormals and has no spin-waiting worker threads (see the module docstring); with
+    profile_prefix, ORT's profiler is on and writes its file under that prefix."""
     import onnxruntime as ort
     orig = ort.SessionOptions
 
@@ -143,6 +144,9 @@ def quiet_sessions():
             super().__init__()
             self.add_session_config_entry("session.set_denormal_as_zero", "1")
             self.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            if profile_prefix:
+                self.enable_profiling = True
+                self.profile_file_prefix = profile_prefix
 
     ort.SessionOptions = QuietOptions
     try:

@@ -40,28 +40,14 @@ def profile_graphmp(run_dir: str, batch: dict, threads: int, steps: int, prefix:
     """Run the step `steps` times with the ORT profiler on; {wall_ms: median of steps 2.., phase_ms,
     op_ms: {op:phase: ms per step}, top_nodes} from the events of steps 2.. (the first warms up)."""
     import onnx
-    import onnxruntime as ort
     from graphmp.train.loop import StepRunner, latest_state, load_run
     meta = load_run(run_dir)
     state, _ = latest_state(run_dir)
     m = onnx.load(os.path.join(run_dir, "step.onnx"), load_external_data=False)
     phase_of = {n.name: p for n, p in zip(m.graph.node, step_audit._phases(m, meta["nodes"]["forward"]))}
     op_of = {n.name: n.op_type for n in m.graph.node}
-    orig = ort.SessionOptions
-
-    class Profiled(orig):
-        def __init__(self):
-            super().__init__()
-            self.add_session_config_entry("session.set_denormal_as_zero", "1")
-            self.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            self.enable_profiling = True
-            self.profile_file_prefix = prefix
-
-    ort.SessionOptions = Profiled
-    try:
+    with ti.quiet_sessions(profile_prefix=prefix):
         runner = StepRunner(run_dir, meta, state, providers=["CPUExecutionProvider"], threads=threads)
-    finally:
-        ort.SessionOptions = orig
     init, walls = dict(runner.state), []
     for _ in range(steps):
         runner.state = dict(init)
