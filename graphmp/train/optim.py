@@ -91,19 +91,19 @@ def _suffixed(w: str, suffix: str) -> str:
     return w + suffix
 
 
-def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str,
-              state_name=_suffixed, applied: str | None = None, out_name=None) -> tuple[dict, dict]:
+def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str, applied: str,
+              state_name=_suffixed, out_name=None) -> tuple[dict, dict]:
     """Needs {weight tensor: its gradient} (any shapes: per-weight tensors, or one flat buffer),
     the lr tensor and the new step count as FP32. Returns ({state input: new value}, {moment
     state: the weight it belongs to}); a moment of weight w is named state_name(w, "__momentum"
     | "__exp_avg" | "__exp_avg_sq"), and a new value is written to out_name(state) when that
     gives a name (the graph's output, so no copy follows).
 
-    Without `applied` the new values are ungated (the caller selects them). With `applied`
-    (a bool scalar) they are gated by their scalar coefficients, with no pass over the state:
-    when it is False every coefficient that moves the state is 0 and every one that keeps it
-    is 1, so each new value equals its input (m * 1 + 0, w - 0). That needs gradients that are
-    0 where the step is not applied (gated_grads): a NaN gradient times 0 would still be NaN.
+    The new values are gated by `applied` (a bool scalar) through their scalar coefficients,
+    with no pass over the state: when it is False every coefficient that moves the state is 0
+    and every one that keeps it is 1, so each new value equals its input (m * 1 + 0, w - 0).
+    That needs gradients that are 0 where the step is not applied (gated_grads): a NaN
+    gradient times 0 would still be NaN.
 
     AdamW is torch's w - step_size * m / (sqrt(v) / sqrt(bc2) + eps) with sqrt(bc2) moved into
     the scalars: w - (step_size * sqrt(bc2)) * m / (sqrt(v) + eps * sqrt(bc2)), one pass over
@@ -111,17 +111,15 @@ def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str,
     new, moments = {}, {}
     wd = cfg["weight_decay"]
     out_name = out_name or (lambda _: None)
-    on = b.op("Cast", [applied], to=TensorProto.FLOAT) if applied is not None else None  # 1.0 / 0.0
+    on = b.op("Cast", [applied], to=TensorProto.FLOAT)  # 1.0 / 0.0
 
     def moving(c):
         """A coefficient that moves the state: c, or 0 on a skipped step."""
-        c = c if isinstance(c, str) else b.const(c)
-        return c if on is None else b.op("Mul", [c, on])
+        return b.op("Mul", [c if isinstance(c, str) else b.const(c), on])
 
     def keeping(c):
         """A coefficient that carries the state over: c, or 1 on a skipped step."""
-        c = c if isinstance(c, str) else b.const(c)
-        return c if on is None else b.op("Where", [applied, c, b.const(1.0)])
+        return b.op("Where", [applied, c if isinstance(c, str) else b.const(c), b.const(1.0)])
 
     if cfg["optimizer"] == "sgd":
         mom = cfg["momentum"]

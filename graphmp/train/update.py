@@ -165,8 +165,8 @@ def _update(b: Builder, cfg: dict, g: str, loss_t: str, st: State):
     step_next = b.op("Add", [STEP, b.const(1, np.int64)])
     lr = optim.lr_tensor(b, cfg, STEP)
     new, moments = optim.optimizer(b, cfg, optim.gated_grads(b, grads, applied), lr,
-                                   b.op("Cast", [step_next], to=TensorProto.FLOAT), state_name=_flat_name,
-                                   applied=applied, out_name=lambda state: state + NEXT)
+                                   b.op("Cast", [step_next], to=TensorProto.FLOAT), applied,
+                                   state_name=_flat_name, out_name=lambda state: state + NEXT)
     kinds.update({m: "moment" for m in moments})
     new[STEP] = step_next
     new.update(nxt)
