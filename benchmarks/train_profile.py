@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import os
 import statistics
@@ -171,8 +170,6 @@ def main(argv=None) -> int:
                                                    os.path.join(work, f"prof-{name}-{prec}"))
         print_case(name, res)
         out[name] = res
-    for stale in glob.glob(os.path.join(work, "prof-*.json")):
-        os.remove(stale)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
