@@ -1,0 +1,34 @@
+"""`graphmp inspect`: how much of any ONNX model runs in which precision; with two models,
+the plan diff."""
+from __future__ import annotations
+
+import json
+
+from .args import add_shapes
+
+
+def add(sub):
+    k = sub.add_parser("inspect", help="precision of any ONNX model: FLOPs by precision, Casts, FP32 nodes; "
+                       "with two models a plan diff",
+                       description="For any ONNX model, whoever converted it: the share of Conv/ConvTranspose/"
+                       "MatMul/Gemm/Einsum FLOPs in FP16, BF16, INT8 (MatMulInteger, ConvInteger, QLinear*, "
+                       "QDQ) and FP32; the Casts and the bytes they move per inference; the FP32 compute nodes "
+                       "by op type with, for a model graphmp converted, why each stayed FP32. With MODEL2, also "
+                       "the nodes whose precision differs and both models' figures side by side. Nothing is "
+                       "run: shapes come from ONNX shape inference at the declared input shapes, --shapes, "
+                       "and 1 for a dim still unknown (the output says which).",
+                       epilog="example: graphmp inspect models/tiny/resnet.onnx --shapes pixel_values:8x3x32x32")
+    k.add_argument("model", help=".onnx model")
+    k.add_argument("model2", nargs="?", help="a second .onnx model to compare with (e.g. the same source "
+                   "converted by another tool)")
+    add_shapes(k, "input shapes, trtexec syntax: x:8x3x224x224,mask:8x128 (inputs with dynamic dims; "
+               "default: the declared dims, 1 for an unknown one)")
+    k.add_argument("--json", action="store_true", help="print the result as JSON (schema graphmp.inspect, "
+                   "version 1) instead of text")
+
+
+def run(args) -> int:
+    from ..inspect import inspect
+    rep = inspect(args.model, args.model2, shapes=args.shapes)
+    print(json.dumps(rep.to_dict(), indent=1) if args.json else rep.summary())
+    return 0
