@@ -91,8 +91,11 @@ def node_precision(n, types: dict, producers: dict) -> str:
         dq = [producers.get(x) for x in n.input[:2]]
         if all(p is not None and p.op_type == "DequantizeLinear" for p in dq):
             return precision_label(types.get(dq[0].input[0]))
+    # the output's type; for a compute op where inference stopped before it, its operands'
+    # (a Conv's weight is an initializer of the type it computes in)
     out = next((x for x in n.output if x), None)
-    return precision_label(types.get(out) or (types.get(n.input[0]) if n.input else None))
+    operands = list(n.input[:2]) if n.op_type in COMPUTE_OPS else []
+    return precision_label(next((types[x] for x in [out, *operands] if x in types), None))
 
 
 def _flops(n, filled: dict) -> float | None:
@@ -163,24 +166,34 @@ def _fp32_groups(nodes: list[dict], total: float) -> dict:
 
 def _input_shapes(model, given: dict, path: str) -> tuple[dict, list, bool]:
     """({input: dims} to infer at, what was assumed (one line each), every input's rank
-    known). Given shapes first (checked against the declared ones), then the declared
-    dims, 1 for an unknown dim."""
-    from .inputs import check_shapes, input_specs
-    specs = input_specs(model)
-    check_shapes(specs, given, path)
+    known). --shapes first (checked against the declared dims), then the declared dims,
+    then for a dim still free the first size graphmp's shape finding would try for its
+    role (batch 1, image side 224 or the model's metadata imgsz, sequence 16 tokens, ...:
+    graphmp.inputs.first_guess), without a run."""
+    from .inputs import first_guess
+    shapes, guesses = first_guess(model, given, where=path)
     has_shape = {v.name: v.type.tensor_type.HasField("shape") for v in model.graph.input}
-    shapes, assumed, ranked = {}, [], True
-    for s in specs:
-        if s.name in given:
-            shapes[s.name] = list(given[s.name])
-        elif not has_shape.get(s.name, False):
-            ranked = False
-            assumed.append(f"{s.name}: no shape declared, so figures that need it are approximate")
-        else:
-            shapes[s.name] = [d if isinstance(d, int) else 1 for d in s.dims]
-            assumed += [f"{s.name} dim {i}{f' ({d})' if d else ''} = 1" for i, d in enumerate(s.dims)
-                        if not isinstance(d, int)]
-    return shapes, assumed, ranked
+    unranked = [name for name in shapes if not has_shape.get(name, False) and name not in given]
+    assumed = [f"{key} ({role}) = {size}" for key, role, size in guesses]
+    assumed += [f"{name}: no shape declared, so figures that need it are approximate" for name in unranked]
+    return {k: list(v) for k, v in shapes.items() if k not in unranked}, assumed, not unranked
+
+
+def _legalized(model):
+    """The model for shape inference: a copy with the experimental ops ONNX removed in opset
+    10 (Crop, ImageScaler, Affine, ...) in their standard forms, as convert reads them
+    (graphmp.passes.legalize); onnx's inference stops at them. The rewrite keeps every
+    tensor name, so what inference says holds for the original graph's tensors."""
+    from .passes.legalize import EXPERIMENTAL, legalize
+    if not any(n.op_type in EXPERIMENTAL for _, g in _walk(model.graph) for n in g.node):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    try:
+        legalize(copy)
+    except Exception:  # noqa: BLE001 - a help for inference only: without it the figures are partial, as said
+        return model
+    return copy
 
 
 def _converted_by(model) -> tuple[bool, str]:
@@ -197,8 +210,9 @@ def _converted_by(model) -> tuple[bool, str]:
 
 
 def _node_precisions(graphs: list, facts) -> dict:
-    """{(graph path, node key): (op type, precision)} of every node but Casts that computes
-    in a float type or is a compute op: what the plan diff compares."""
+    """{(graph path, node key): (op type, precision, recorded FP32 reason or None)} of every
+    node but Casts that computes in a float type or is a compute op: what the plan diff
+    compares."""
     producers = {x: n for _, g in graphs for n in g.node for x in n.output}
     out = {}
     for path, g in graphs:
@@ -207,7 +221,7 @@ def _node_precisions(graphs: list, facts) -> dict:
                 continue
             p = node_precision(n, facts.types, producers)
             if p in ("FP16", "BF16", "FP32", "FP64") or n.op_type in COMPUTE_OPS or n.op_type in INTEGER_OPS:
-                out[(path, key)] = (n.op_type, p)
+                out[(path, key)] = (n.op_type, p, _reason(n))
     return out
 
 
@@ -223,18 +237,19 @@ def inspect_model(model, shapes=None) -> tuple[dict, dict]:
         path = os.fspath(model)
         model = load_model(path, by_reference=True)
     in_shapes, assumed, ranked = _input_shapes(model, given, path)
-    facts, error = infer_facts(model, in_shapes, concrete=ranked)
+    facts, error = infer_facts(_legalized(model), in_shapes, concrete=ranked)
     graphs = list(_walk(model.graph))
     nodes = compute_nodes(graphs, facts)
     flops = flops_shares(nodes)
     precisions = _node_precisions(graphs, facts)
     is_graphmp, who = _converted_by(model)
     rep = {"path": path, "converted_by": who, "graphmp_output": is_graphmp,
-           "shapes": in_shapes, "shapes_from": "--shapes and declared" if given else "declared",
+           "shapes": in_shapes, "shapes_from": ("--shapes and declared" if given else "declared")
+           + (", free dims guessed" if assumed else ""),
            "assumed": assumed, "inference_error": error, "flops": flops,
            "casts": cast_fields(facts, error is None),
-           "nodes": dict(sorted(collections.Counter(p for _, p in precisions.values()).items())),
-           "fp32_nodes_by_op": dict(collections.Counter(op for op, p in precisions.values() if p == "FP32")
+           "nodes": dict(sorted(collections.Counter(p for _, p, _ in precisions.values()).items())),
+           "fp32_nodes_by_op": dict(collections.Counter(op for op, p, _ in precisions.values() if p == "FP32")
                                     .most_common()),
            "fp32_compute": _fp32_groups(nodes, flops["total"]), "compute_nodes": nodes,
            "uncounted_ops": sorted({f"{n.domain}.{n.op_type}" for _, g in graphs for n in g.node
@@ -244,10 +259,11 @@ def inspect_model(model, shapes=None) -> tuple[dict, dict]:
 
 def plan_diff(first: dict, second: dict, p1: dict, p2: dict) -> dict:
     """Two models' plans side by side: nodes matched by (graph, name) whose precision
-    differs, the count of nodes in one only, FLOPs shares and Cast bytes of each."""
+    differs (with the FP32 reason either model records), the count of nodes in one only,
+    FLOPs shares and Cast bytes of each."""
     common = [k for k in p1 if k in p2]
-    changed = [{"graph": k[0], "name": k[1], "op_type": p1[k][0], "first": p1[k][1], "second": p2[k][1]}
-               for k in common if p1[k][1] != p2[k][1]]
+    changed = [{"graph": k[0], "name": k[1], "op_type": p1[k][0], "first": p1[k][1], "second": p2[k][1],
+                "reason": p1[k][2] or p2[k][2]} for k in common if p1[k][1] != p2[k][1]]
     changed.sort(key=lambda e: e["op_type"] not in COMPUTE_OPS and e["op_type"] not in INTEGER_OPS)  # compute first
     s1, s2 = first["flops"]["share"], second["flops"]["share"]
     labels = [k for k in ORDER if k in s1 or k in s2] + sorted((set(s1) | set(s2)) - set(ORDER))
@@ -355,7 +371,8 @@ def _diff_text(d: dict) -> list[str]:
                     if d["only_in_first"] or d["only_in_second"] else ""))
     for e in d["changed"][:SHOW_CHANGES]:
         where = "" if e["graph"] == "main" else f" in {e['graph']}"
-        lines.append(f"    {e['op_type']} {e['name']}{where}: {e['first']} -> {e['second']}")
+        why = f" ({e['reason']})" if e["reason"] else ""
+        lines.append(f"    {e['op_type']} {e['name']}{where}: {e['first']} -> {e['second']}{why}")
     if len(d["changed"]) > SHOW_CHANGES:
         lines.append(f"    ... {len(d['changed']) - SHOW_CHANGES} more (--json lists all)")
     return lines

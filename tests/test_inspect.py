@@ -21,6 +21,8 @@ from control_flow_cases import if_weights_in_branches
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESNET = os.path.join(ROOT, "models", "tiny", "resnet.onnx")
 QDQ = os.path.join(ROOT, "models", "real", "super_resolution_qdq.onnx")
+MOSAIC = os.path.join(ROOT, "models", "real", "style_mosaic.onnx")
+PPOCR = os.path.join(ROOT, "models", "real", "ppocrv4_det.onnx")
 KEPT = "node_Conv_124"          # a Conv of the tiny ResNet that the tests keep FP32
 
 
@@ -84,7 +86,7 @@ def test_shapes_scale_flops_and_cast_bytes(models, capsys):
     """--shapes sets the batch: FLOPs and Cast bytes grow with it; without it dim 0 is assumed 1, and said."""
     one = _inspect([models["graphmp"]], capsys)["models"][0]
     eight = _inspect([models["graphmp"], "--shapes", "pixel_values:8x3x32x32"], capsys)["models"][0]
-    assert any("pixel_values dim 0" in a for a in one["assumed"]) and eight["assumed"] == []
+    assert one["assumed"] == ["batch (batch) = 1"] and eight["assumed"] == []
     assert eight["shapes"] == {"pixel_values": [8, 3, 32, 32]}
     assert eight["flops"]["total"] == pytest.approx(8 * one["flops"]["total"])
     assert eight["casts"]["bytes"] == 8 * one["casts"]["bytes"]
@@ -146,13 +148,33 @@ def test_if_branches_and_dynamic_dims(tmp_path, capsys):
     p = tmp_path / "if.onnx"
     onnx.save(model, p)
     m = _inspect([str(p)], capsys)["models"][0]
-    assert any(a.startswith("x dim 0 (N)") for a in m["assumed"])
+    assert m["assumed"] == ["N (batch) = 1"] and m["shapes"]["x"] == [1, 3, 16, 16]
     where = {e["name"]: e["graph"] for e in m["compute_nodes"]}
     assert where == {"then_conv": "main/if_node.then_branch", "then_conv2": "main/if_node.then_branch",
                      "else_conv": "main/if_node.else_branch", "out_conv": "main"}
     assert m["flops"]["share"] == {"FP32": 1.0}
     wide = _inspect([str(p), "--shapes", "x:4x3x16x16"], capsys)["models"][0]
     assert wide["flops"]["total"] > m["flops"]["total"]
+
+
+def test_experimental_ops_do_not_stop_the_count(capsys):
+    """style_mosaic (opset 8) holds Crop/ImageScaler, which onnx's inference stops at: read as
+    their standard forms (as convert does), every Conv is counted, at its declared 720x720."""
+    m = _inspect([MOSAIC], capsys)["models"][0]
+    convs = [n for n in onnx.load(MOSAIC).graph.node if n.op_type in COMPUTE_OPS]
+    assert len(m["compute_nodes"]) == len(convs) and m["flops"]["uncounted"] == 0
+    assert all(e["flops"] and not e["approximate"] for e in m["compute_nodes"])
+    assert m["flops"]["share"] == {"FP32": 1.0}
+
+
+def test_free_image_dims_get_a_plausible_size(capsys):
+    """ppocrv4_det's input is [?, 3, ?, ?]: the sides get the first size graphmp's shape finding
+    tries for an image (not 1, which would make every 3x3 Conv a 1x1 one), and the output says so."""
+    m = _inspect([PPOCR], capsys)["models"][0]
+    h, w = m["shapes"]["x"][2:]
+    assert h == w > 1 and any("(spatial)" in a for a in m["assumed"])
+    wide = _inspect([PPOCR, "--shapes", f"x:1x3x{2 * h}x{2 * w}"], capsys)["models"][0]
+    assert wide["flops"]["total"] == pytest.approx(4 * m["flops"]["total"], rel=0.05)
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -3,6 +3,8 @@ the plan diff."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 from .args import add_shapes
 
@@ -30,5 +32,10 @@ def add(sub):
 def run(args) -> int:
     from ..inspect import inspect
     rep = inspect(args.model, args.model2, shapes=args.shapes)
-    print(json.dumps(rep.to_dict(), indent=1) if args.json else rep.summary())
+    try:
+        print(json.dumps(rep.to_dict(), indent=1) if args.json else rep.summary(), flush=True)
+    except BrokenPipeError:
+        # the reader stopped early (`| head`): what it read is all it wanted; stdout goes to
+        # /dev/null so the interpreter's flush at exit does not fail a second time
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
