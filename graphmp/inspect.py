@@ -10,9 +10,11 @@ FLOPs shares and Cast bytes side by side.
 
 Nothing is run: the figures come from ONNX shape inference of a weightless skeleton
 (graphmp.cast_cost, which convert's summary uses too), at the declared input shapes,
-`shapes` where given, and 1 for any dim still unknown (said in the report). The model
-is untrusted input: it is read by graphmp.model_io.load_model (never outside its folder,
-weights not loaded).
+`shapes` where given, and for a dim still free the first size convert's shape finding
+tries for its role (graphmp.inputs.first_guess; said in the report). Experimental ops
+removed in opset 10 are read in their standard forms (graphmp.passes.legalize). The
+model is untrusted input: it is read by graphmp.model_io.load_model (never outside its
+folder; large weights not read).
 
 A node's precision (`node_precision`):
 - MatMulInteger, ConvInteger, QLinearConv, QLinearMatMul: the type of their quantized
@@ -290,8 +292,9 @@ class InspectReport:
 def inspect(model, other=None, shapes=None) -> InspectReport:
     """How much of `model` (a path or ModelProto; any ONNX model, whoever converted it) runs
     in which precision, and with `other` the plan diff of the two (module docstring).
-    shapes: 'x:1x3x224x224,...' or {name: dims} for inputs with dynamic dims (else 1, said
-    in the report). Nothing is run or written; a bad model or shape is a GraphmpError."""
+    shapes: 'x:1x3x224x224,...' or {name: dims} for inputs with dynamic dims (else a
+    plausible size, said in the report). Nothing is run or written; a bad model or shape
+    is a GraphmpError."""
     first, p1 = inspect_model(model, shapes)
     if other is None:
         return InspectReport([first], None)

@@ -18,13 +18,15 @@ def add(sub):
                        "by op type with, for a model graphmp converted, why each stayed FP32. With MODEL2, also "
                        "the nodes whose precision differs and both models' figures side by side. Nothing is "
                        "run: shapes come from ONNX shape inference at the declared input shapes, --shapes, "
-                       "and 1 for a dim still unknown (the output says which).",
+                       "and for a dim still free the first size convert's shape finding tries for its role "
+                       "(batch 1, image side 224, 16 tokens, ...; the output says which). Details: "
+                       "docs/inspect.md.",
                        epilog="example: graphmp inspect models/tiny/resnet.onnx --shapes pixel_values:8x3x32x32")
     k.add_argument("model", help=".onnx model")
     k.add_argument("model2", nargs="?", help="a second .onnx model to compare with (e.g. the same source "
                    "converted by another tool)")
     add_shapes(k, "input shapes, trtexec syntax: x:8x3x224x224,mask:8x128 (inputs with dynamic dims; "
-               "default: the declared dims, 1 for an unknown one)")
+               "default: the declared dims, a plausible size for a free one)")
     k.add_argument("--json", action="store_true", help="print the result as JSON (schema graphmp.inspect, "
                    "version 1) instead of text")
 
