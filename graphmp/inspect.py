@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import re
 from dataclasses import dataclass
 
@@ -36,9 +35,8 @@ import onnx
 from onnx import TensorProto
 
 from .cast_cost import COMPUTE_OPS, cast_fields, compute_flops, infer_facts
-from .errors import GraphmpError
 from .ir import attr_graphs
-from .model_io import REASON_MARK, load_model
+from .model_io import REASON_MARK, open_model
 
 # Integer compute ops: (the float op whose FLOPs they have, the index of its A and B inputs).
 INTEGER_OPS = {"MatMulInteger": ("MatMul", 0, 1), "ConvInteger": ("Conv", 0, 1),
@@ -233,11 +231,7 @@ def inspect_model(model, shapes=None) -> tuple[dict, dict]:
     'x:1x3x224x224,...' or {name: dims}."""
     from .inputs import parse_shapes
     given = parse_shapes(shapes)
-    if isinstance(model, onnx.ModelProto):
-        path = "<model>"
-    else:
-        path = os.fspath(model)
-        model = load_model(path, by_reference=True)
+    model, path, _ = open_model(model, by_reference=True)  # a ModelProto gets a file's checks too
     in_shapes, assumed, ranked = _input_shapes(model, given, path)
     facts, error = infer_facts(_legalized(model), in_shapes, concrete=ranked)
     graphs = list(_walk(model.graph))

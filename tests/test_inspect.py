@@ -106,6 +106,14 @@ def test_plan_diff_of_two_conversions(models, capsys):
     assert "plan diff" in text and f"Conv {KEPT}: FP32 -> FP16" in text
 
 
+def test_python_api_takes_a_model_proto(models):
+    import graphmp
+    rep = graphmp.inspect(onnx.load(models["fp32"]), onnx.load(models["graphmp"]))
+    assert rep.models[0]["path"] == "<model>" and rep.models[0]["flops"]["share"] == {"FP32": 1.0}
+    assert [e["name"] for e in rep.diff["changed"] if e["op_type"] == "Conv"] == \
+        [n.name for n in _compute_nodes(models["fp32"]) if n.op_type == "Conv" and n.name != KEPT]
+
+
 def test_json_schema(models, capsys):
     data = _inspect([models["fp32"], models["graphmp"]], capsys)
     assert data["schema"] == "graphmp.inspect" and data["version"] == 1 and len(data["models"]) == 2
