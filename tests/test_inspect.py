@@ -151,6 +151,23 @@ def test_integer_ops_count_as_int8_with_their_flops(tmp_path, capsys):
     assert m["casts"]["casts"] == 1 and m["casts"]["bytes"] == 4 * 8 * (4 + 4)
 
 
+def test_bf16_matmul_and_its_casts(tmp_path, capsys):
+    """A MatMul between Casts to and from BFLOAT16: BF16 FLOPs 2 x M x K x N; each Cast moves
+    its elements x (4 + 2) bytes; both Casts touch a graph input/output, so boundary."""
+    nodes = [oh.make_node("Cast", ["x"], ["xb"], name="to_bf16", to=TP.BFLOAT16),
+             oh.make_node("MatMul", ["xb", "w"], ["yb"], name="mm"),
+             oh.make_node("Cast", ["yb"], ["y"], name="to_fp32", to=TP.FLOAT)]
+    w = oh.make_tensor("w", TP.BFLOAT16, [16, 8], np.zeros(16 * 8, np.uint16).tolist())
+    g = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", TP.FLOAT, [4, 16])],
+                      [oh.make_tensor_value_info("y", TP.FLOAT, [4, 8])], [w])
+    p = tmp_path / "bf16.onnx"
+    onnx.save(oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)]), p)
+    m = _inspect([str(p)], capsys)["models"][0]
+    assert m["flops"]["by_precision"] == {"BF16": 2 * 4 * 16 * 8}
+    assert m["casts"]["bytes"] == m["casts"]["boundary_bytes"] == (4 * 16 + 4 * 8) * (4 + 2)
+    assert m["nodes"] == {"BF16": 1}
+
+
 def test_if_branches_and_dynamic_dims(tmp_path, capsys):
     model, _ = if_weights_in_branches()
     p = tmp_path / "if.onnx"
