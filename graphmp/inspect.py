@@ -302,7 +302,7 @@ def _size(b) -> str:
 
 def _gflops(f: float) -> str:
     return next(f"{f / scale:.3g} {unit}FLOPs" for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k"), (1, ""))
-                if f >= 0.1 * scale or scale == 1)
+                if f >= scale or scale == 1)
 
 
 def _shares_text(shares: dict) -> str:
