@@ -31,11 +31,15 @@
     build_step("model.onnx", "run", StepConfig.from_kwargs(optimizer="sgd", lr=0.1))   # or the same keywords
     train("run", "train.npz", TrainConfig.from_kwargs(epochs=3), eval_data="eval.npz")
 
+The package itself is callable as loop.train, so that the top-level API reads
+graphmp.train("run", "train.npz", epochs=3) while graphmp.train.step & co stay importable.
 The public names are imported on first use (PEP 562), as graphmp's are.
 """
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 _LAZY = {"StepConfig": ".config", "TrainConfig": ".config", "build_step": ".step", "train": ".loop",
          "export": ".loop", "evaluate": ".loop"}
@@ -50,3 +54,14 @@ def __getattr__(name):
     value = getattr(importlib.import_module(mod, __name__), name)
     globals()[name] = value
     return value
+
+
+class _CallablePackage(types.ModuleType):
+    """graphmp.train(...) is graphmp.train.loop.train(...) (see the module docstring)."""
+
+    def __call__(self, run_dir, data, config=None, **options):
+        from .loop import train
+        return train(run_dir, data, config, **options)
+
+
+sys.modules[__name__].__class__ = _CallablePackage
