@@ -2,6 +2,7 @@
 
     config.py     StepConfig / TrainConfig: the options of build_step() and train(), checked by from_kwargs
     step.py       build_step(): forward + loss + backward + loss scaling + optimizer = one step graph, in phases
+    weight_checks.py  checks of the weights build_step() selects (AdamW lr vs small weights, integer weights)
     builder.py    graph-building helpers shared by step/losses/optim/source (unique names, pruning, lifting)
     source.py     the source model before the step: Constant weights lifted, tied/shared/frozen params reported
     rnn.py        decompose_recurrent(): LSTM/GRU unrolled into primitive ops that have gradient rules
@@ -17,6 +18,7 @@
     rules/        one gradient rule per ONNX op, a module per family (docs/training_ops.md lists them);
                   rules/conv_gemm.py writes convolution weight gradients as GEMMs
     loop.py       train() / export(): run the step graph on ONNX Runtime, checkpoints, eval, summary
+    first_step.py FirstStepSearch: a dynamic loss scale backs off within the run's first step
     runner.py     StepRunner: one step per call, state packed into the flat buffers, fixed bindings on CUDA
     data.py       training/eval data: .npz or batch iterables, batching, label and NaN/inf checks before use
     device.py     which ONNX Runtime providers a run asks for, and a check that it got them
