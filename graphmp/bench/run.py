@@ -1,8 +1,10 @@
 """One bench run: settings -> models -> inputs -> planned rows opened, timed, judged -> result.
 
-The pieces it composes are testable alone: plan.py (which rows), runners.py (prepare,
-run, time, outputs per backend), judge.py (accuracy and the TF32 yardstick), models.py
-(the compared models), report.py (table / JSON / PNG).
+The pieces it composes are testable alone: settings.py (what was asked), plan.py (which
+rows), rows.py (a row, speedups, notes), runners.py (prepare, run, time, outputs per
+backend), judge.py (accuracy and the TF32 yardstick), oracle.py (the FP16-faithful check),
+models.py (the compared models), report.py (table / JSON / PNG). An ONNX Runtime row's model
+is opened first in a child process (graphmp/load_check.py): a crash fails that row only.
 
 Untrusted models and users' files: outputs.py checks, before any work, that nothing the
 run writes is a file it reads or a device; a model ONNX Runtime refuses is a one-line

@@ -202,9 +202,11 @@ def _verdict(args, out: str, d: dict) -> int:
         print(f"graphmp: --validate skipped: {d.get('validation_skipped', 'nothing was converted')}", file=sys.stderr)
         return 0
     if args.validate and not d["validation"]["passed"]:
-        print(f"graphmp: validation FAILED for {out}: {_failed_outputs(d['validation'])}. --max-error makes the "
-              "conversion meet a budget; --calibration with real data finds the ranges your inputs reach.",
-              file=sys.stderr)
+        invalid = not d["validation"]["validity"]["valid"]  # accuracy advice cannot fix a model that does not load
+        print(f"graphmp: validation FAILED for {out}: {_failed_outputs(d['validation'])}. "
+              + ("Please report this model: graphmp wrote a model that does not load." if invalid else
+                 "--max-error makes the conversion meet a budget; --calibration with real data finds the ranges your "
+                 "inputs reach."), file=sys.stderr)
         return 1
     return 0
 
