@@ -230,3 +230,17 @@ def test_int8_tts_like_model_loads_after_convert(tmp_path, capsys):
     assert rc == 0, err
     assert "loaded and ran once" in stdout
     assert _opens_with_defaults(out) == 0
+
+
+def test_bf16_output_is_written_with_a_note_where_the_cpu_has_no_bf16_kernels(tmp_path, capsys):
+    """ONNX Runtime's CPU provider has no BF16 MatMul: a BF16 model is for ORT CUDA and TensorRT,
+    so the check says it could not judge it (and a crash would still fail it)."""
+    src = _transpose_matmul(tmp_path / "a.onnx", perm=(0, 2, 1))
+    out = tmp_path / "a.bf16.onnx"
+    rc, stdout, err = _run(["convert", src, "-o", str(out), "--target", "bf16", "--shapes", "x:2x16x16"], capsys)
+    assert rc == 0, err
+    assert out.exists()
+    if "load check: " in stdout and "not judged" in stdout:
+        assert "no BF16 kernel" in stdout
+    else:  # an ONNX Runtime with BF16 MatMul on the CPU runs it like any model
+        assert "loaded and ran once" in stdout

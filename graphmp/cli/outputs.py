@@ -47,8 +47,10 @@ def load_check_failed(e, out: str, fix: str) -> int:
     """The one line for a LoadCheckFailed (graphmp/load_check.py): the cause, what is on
     disk, the fix; exit 1."""
     import sys
+
+    from . import _one_line  # names from the model may hold control characters
     ext = e.result.get("loads_with_extended")
-    print(f"graphmp: load check FAILED: {e}. Nothing was written to {out} (a file already there is unchanged). "
+    print(f"graphmp: load check FAILED: {_one_line(str(e))}. Nothing was written to {out} (a file already there is unchanged). "
           + (fix if ext else "ONNX Runtime cannot open or run it at any optimization level: please report this "
              "model (--no-load-check writes it for inspection)."), file=sys.stderr)
     return 1
