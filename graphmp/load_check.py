@@ -96,6 +96,9 @@ def probe(path, feeds: dict | None = None, *, run: bool = True, shapes=None, pro
             _kill(proc)
             out, err = proc.communicate()
             timed_out = True
+        except BaseException:  # Ctrl-C, SIGTERM: the child (its own session, so no SIGINT reaches it) goes too
+            _kill(proc)
+            raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     res = _verdict(proc.returncode, out, err, timed_out, timeout)
