@@ -41,6 +41,7 @@ class Options:
                                         # (0: off; None: passes/islands.py's size rule)
     fuse: str | None = None             # --fuse ort: ONNX Runtime's transformer fusions first (passes/fuse.py)
     model_type: str | None = None       # --model-type: the fusions' model type (None: found from the graph)
+    load_check: bool = True             # open and run the written output in ONNX Runtime first (graphmp/load_check.py)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "Options":

@@ -20,6 +20,8 @@ from .budget import DEFAULT
 from .cast_cost import cast_traffic, summary_line as cast_summary_line
 from .context import Ctx, Options
 from .errors import GraphmpError
+from .load_check import Gate, LoadCheckFailed
+from .load_check import summary_line as load_check_line
 from .model_io import (CONVERT_MARK, REASON_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes,
                        open_model, tensor_nbytes)
 from .save import save_model
@@ -156,7 +158,8 @@ class ConvertReport:
             return f"{d['source']}: already converted by graphmp ({d['already_converted']}); nothing to do."
         n = d["nodes"]
         lines = [
-            f"{d['source']} -> {d.get('output') or '(in memory)'}  [{d['target']}]",
+            f"{d['source']} -> {d.get('output') or '(in memory)'}"
+            f"{' (NOT written: the load check failed)' if d.get('written') is False else ''}  [{d['target']}]",
             f"  nodes: {n['low']} {d['target']}, {n['fp32']} fp32, {n['other']} other"
             + (f" ({n['source_low']} already FP16/BF16 in the source)" if n.get("source_low") else " (non-float)")
             + "; "
@@ -191,6 +194,8 @@ class ConvertReport:
                          "(see the JSON report 'rounding')")
         for w in d["warnings"]:
             lines.append(f"  warning: {w}")
+        if load_check_line(d.get("load_check")):
+            lines.append(load_check_line(d.get("load_check")))
         if "validation" in d:  # the check report, as `graphmp check` prints it
             from .check import CheckReport
             lines.append("  validation: " + CheckReport(d["validation"]).summary().replace("\n", "\n  "))
@@ -288,7 +293,10 @@ def convert(src, dst=None, **options) -> ConvertReport:
     shapes (NAME:DIMS,... for generated inputs), range_threshold, external_data,
     pad_channels, validate, atol, rtol, verbose, fuse ("ort": ONNX Runtime's transformer
     fusions first; the output is then for ONNX Runtime only), model_type, plan (a file
-    of save_plan: its precisions, no search; graphmp/passes/plan_file.py), save_plan.
+    of save_plan: its precisions, no search; graphmp/passes/plan_file.py), save_plan,
+    load_check (default True: dst is written only after ONNX Runtime opened and ran the
+    output in a child process, graphmp/load_check.py; else LoadCheckFailed, with the
+    report in its `.report`, and nothing is written).
     """
     t0 = time.perf_counter()
     ctx, had_external, t_load = _open(src, dst, options, t0)
@@ -394,9 +402,18 @@ def _write(ctx, dst, low: LowConverter, had_external: bool, t0: float) -> Conver
     report["external_data"] = bool(ext)
     ctx.log(f"writing {dst}{' with external data' if ext else ''}")
     t_write = time.perf_counter()
-    save_model(ctx.model, os.fspath(dst), ctx.base_dir, low, bool(ext),
-               progress=(lambda i, n: ctx.log(f"  tensor {i}/{n}")) if opts.verbose else None)
-    report["timings"]["write"] = round(time.perf_counter() - t_write, 4)  # includes deferred conversions
+    # the load check runs on the finished temporary file: a model ONNX Runtime cannot open never replaces dst
+    gate = Gate(ctx.batches[0] if ctx.batches else None, opts.shapes, ctx.log,
+                bf16=opts.target == "bf16") if opts.load_check else None
+    try:
+        save_model(ctx.model, os.fspath(dst), ctx.base_dir, low, bool(ext),
+                   progress=(lambda i, n: ctx.log(f"  tensor {i}/{n}")) if opts.verbose else None, before_commit=gate)
+    except LoadCheckFailed as e:
+        report.update(load_check=e.result, written=False, seconds=time.perf_counter() - t0)
+        e.report = ConvertReport(report)
+        raise
+    report["timings"]["write"] = round(time.perf_counter() - t_write, 4)  # includes deferred conversions and the check
+    report["load_check"] = gate.result if gate is not None else {"skipped": "--no-load-check"}
     report["seconds"] = time.perf_counter() - t0
     if opts.validate:
         _validate(report, ctx.path, os.fspath(dst), opts)

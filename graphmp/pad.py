@@ -21,6 +21,8 @@ import onnx
 
 from .version import __version__
 from .errors import GraphmpError
+from .load_check import Gate, LoadCheckFailed
+from .load_check import summary_line as load_check_line
 from .model_io import is_external, iter_graphs, load_model, materialize, model_weight_bytes, open_model
 from .save import save_model
 from .ir import Names, name_nodes
@@ -72,6 +74,8 @@ def summarize(d: dict) -> str:
                      "Pad node (a copy per run): " + ", ".join(u["node"] for u in d["needs_copy"]))
     for w in d.get("warnings", []):
         lines.append(f"  warning: {w}")
+    if load_check_line(d.get("load_check")):
+        lines.append(load_check_line(d.get("load_check")))
     return "\n".join(lines)
 
 
@@ -243,13 +247,17 @@ def pad_model(model: onnx.ModelProto, base_dir: str | None, multiple: int, stem:
 
 
 def pad(src, dst=None, *, multiple: int = 8, stem: str = "auto", max_overhead: float = 0.5,
-        external_data: bool | None = None, validate: bool = False, shapes=None, seed: int = 0) -> PadReport:
+        external_data: bool | None = None, validate: bool = False, shapes=None, seed: int = 0,
+        load_check: bool = True) -> PadReport:
     """Pad Conv channels and GEMM dimensions of `src` (path or ModelProto) to `multiple`.
 
     dst: output path (atomic; the input is never touched) or None to get the model in
     `report.model`. validate: check the padded model (full checker, ONNX Runtime load), then
     run ONNX Runtime on the original and the padded model with the same generated inputs
-    (dynamic dims from `shapes` or a trial run) and record the max abs difference per output."""
+    (dynamic dims from `shapes` or a trial run) and record the max abs difference per output.
+    load_check: dst is written only after ONNX Runtime opened and ran it in a child process
+    (graphmp/load_check.py; inputs generated, `shapes` for the dynamic dims); else
+    LoadCheckFailed, with the report in its `.report`, and nothing is written."""
     t0 = time.perf_counter()
     model, path, base_dir = open_model(src, dst)
     if validate and shapes is not None:  # a bad --shapes is an error before anything is written
@@ -260,7 +268,15 @@ def pad(src, dst=None, *, multiple: int = 8, stem: str = "auto", max_overhead: f
     rep.update(source=path, output=os.fspath(dst) if dst is not None else None)
     had_external = any(is_external(t) for g in iter_graphs(model.graph) for t in g.initializer)
     if dst is not None:
-        save_model(model, os.fspath(dst), base_dir, None, had_external if external_data is None else external_data)
+        gate = Gate(shapes=shapes) if load_check else None
+        try:
+            save_model(model, os.fspath(dst), base_dir, None, had_external if external_data is None else external_data,
+                       before_commit=gate)
+        except LoadCheckFailed as e:
+            rep.update(load_check=e.result, written=False, seconds=time.perf_counter() - t0)
+            e.report = PadReport(rep)
+            raise
+        rep["load_check"] = gate.result if gate is not None else {"skipped": "--no-load-check"}
         out = os.fspath(dst)
     else:
         for g in iter_graphs(model.graph):

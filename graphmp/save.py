@@ -81,7 +81,7 @@ def _public(fd: int):
 
 
 def save_model(model: onnx.ModelProto, out_path: str, src_dir: str | None, convert_fn,
-               external: bool, progress=None):
+               external: bool, progress=None, before_commit=None):
     """Write `model` to `out_path` atomically.
 
     convert_fn(array, elem_type, name) -> (elem_type, bytes) applies conversions deferred
@@ -89,11 +89,15 @@ def save_model(model: onnx.ModelProto, out_path: str, src_dir: str | None, conve
     external: write weights to a data file next to the model (see _save_pair). Otherwise
     the model is written in one file, its top-level weights streamed one at a time
     (graphmp.wire). An existing output that is not a regular file is never replaced.
+    before_commit(tmp_path): called with the finished temporary model (its data file, if
+    any, already in place) before it replaces `out_path`; if it raises, nothing is
+    replaced, the temporary files go, and the exception propagates (the load check,
+    graphmp/load_check.py, refuses a model ONNX Runtime cannot open this way).
     """
     check_target(out_path, "output model")
     if not external:
-        return _save_inline(model, out_path, src_dir, convert_fn, progress)
-    return _save_pair(model, os.path.abspath(out_path), src_dir, convert_fn, progress)
+        return _save_inline(model, out_path, src_dir, convert_fn, progress, before_commit)
+    return _save_pair(model, os.path.abspath(out_path), src_dir, convert_fn, progress, before_commit)
 
 
 def _stream_tensors(model, data_f, data_name: str, src_dir, convert_fn, progress) -> None:
@@ -190,7 +194,7 @@ def _old_data(out_path: str, keep) -> list[str]:
             if os.path.dirname(f) == d and owned.fullmatch(os.path.basename(f)) and f not in keep]
 
 
-def _save_pair(model, out_path: str, src_dir, convert_fn, progress):
+def _save_pair(model, out_path: str, src_dir, convert_fn, progress, before_commit=None):
     """The model and its data file, replaced as a pair: the new data is written under a
     name no file has (OUT.data, else OUT.1.data, ...), the .onnx is renamed over the old
     one last, and only then the old pair's own data file is removed. A kill at any
@@ -229,6 +233,8 @@ def _save_pair(model, out_path: str, src_dir, convert_fn, progress):
             f.write(blob)
             f.flush()
             os.fsync(f.fileno())
+        if before_commit is not None:
+            before_commit(model_tmp)
         old = _old_data(out_path, keep | {os.path.realpath(os.path.join(d, data_name))})
         os.replace(model_tmp, out_path)  # the commit: the new pair is live
         tmp_files = []
@@ -264,7 +270,7 @@ def _fsync_dir(d: str) -> None:
         os.close(fd)
 
 
-def _save_inline(model, out_path, src_dir, convert_fn, progress):
+def _save_inline(model, out_path, src_dir, convert_fn, progress, before_commit=None):
     """save_model without external data: subgraph weights brought inline, top-level
     weights read, converted and written one at a time; fails before writing anything
     when the result would pass protobuf's 2 GB limit."""
@@ -313,7 +319,7 @@ def _save_inline(model, out_path, src_dir, convert_fn, progress):
     if size >= TWO_GB:
         raise GraphmpError(f"{out_path}: the model is over 2 GB; write it with --external-data.")
     try:
-        with atomic_write(out_path) as f:
+        with atomic_write(out_path, before_commit=before_commit) as f:
             write_streaming(model, f, tensor_data)
     except OSError as e:
         raise GraphmpError(f"{out_path}: could not write the output ({e.strerror or e}). "
@@ -337,12 +343,13 @@ def _open_in_place(path: str, mode: str):
 
 
 @contextlib.contextmanager
-def atomic_write(path: str, mode: str = "wb", in_place_ok: bool = False):
+def atomic_write(path: str, mode: str = "wb", in_place_ok: bool = False, before_commit=None):
     """Open a temporary file next to `path`; on success fsync it and rename it over
     `path`, on error remove it. Readers never see a half-written file. An existing
     `path` that is not a regular file is refused, or with `in_place_ok` (text outputs
     the user named: `--report /dev/stdout`) a FIFO or character device is written in
-    place, never replaced."""
+    place, never replaced. before_commit(tmp_path), if given, runs on the finished file
+    before the rename; if it raises, the file goes and `path` is untouched."""
     if check_target(path, "output", in_place_ok):
         with _open_in_place(path, mode) as f:
             yield f
@@ -359,6 +366,8 @@ def atomic_write(path: str, mode: str = "wb", in_place_ok: bool = False):
             yield f
             f.flush()
             os.fsync(f.fileno())
+        if before_commit is not None:
+            before_commit(tmp)
         os.replace(tmp, path)
     except BaseException:
         _unlink_quietly(tmp)

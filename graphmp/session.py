@@ -69,10 +69,35 @@ def recorded_options(path) -> dict:
         return {}
 
 
-def session(path, device: str = "auto", **session_options):
+_PROBED: set = set()  # (file identity, providers, options) that opened in a child process
+
+
+def _probe_once(path: str, providers: list, session_options: dict) -> None:
+    """load_check.probe (load only) of `path` with these providers and options, unless this
+    version of the file passed it in this process; a GraphmpError when it did not open."""
+    from .load_check import failure_text, probe
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_mtime_ns, st.st_size, repr(providers), repr(sorted(session_options.items())))
+    if key in _PROBED:
+        return
+    res = probe(path, run=False, providers=providers, options=session_options)
+    if not res["passed"]:
+        raise GraphmpError(f"{path}: ONNX Runtime cannot open this model ({failure_text(res)}); the session was not "
+                           "created in this process. Open it with graph_optimization_level=ORT_ENABLE_EXTENDED "
+                           "(graphmp.session(path, graph_optimization_level=...)) if a graph optimizer is the cause, "
+                           "or convert the FP32 model again with this graphmp, whose load check avoids or refuses it")
+    _PROBED.add(key)
+
+
+def session(path, device: str = "auto", probe: bool = True, **session_options):
     """An onnxruntime.InferenceSession of `path` on CUDA (with the options recorded by
     graphmp convert) when available, else on the CPU. device: "auto" | "cuda" | "cpu".
-    `.graphmp_device` on the result says what it runs on."""
+    `.graphmp_device` on the result says what it runs on.
+
+    probe: first open the model the same way (providers, session_options) in a child
+    process (graphmp/load_check.py), once per file version: a model that crashes ONNX
+    Runtime at session creation is a GraphmpError here, not the end of the caller's
+    process. probe=False skips it (one session creation less)."""
     import onnxruntime as ort
     if device not in ("auto", "cuda", "cpu"):
         raise GraphmpError(f"device must be auto, cuda or cpu, not '{device}'")
@@ -87,6 +112,8 @@ def session(path, device: str = "auto", **session_options):
         raise GraphmpError(f"{path}: device 'cuda' asked for, but this onnxruntime has no {CUDA}; install "
                            "onnxruntime-gpu, or use device='auto' / 'cpu'")
     providers = [(CUDA, recorded_options(path)), CPU] if want_cuda else [CPU]
+    if probe:
+        _probe_once(path, providers, session_options)
     sess = ort.InferenceSession(path, so, providers=providers)
     got = ran_on(sess)
     if want_cuda and got != CUDA and device == "cuda":

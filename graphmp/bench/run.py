@@ -1,8 +1,10 @@
 """One bench run: settings -> models -> inputs -> planned rows opened, timed, judged -> result.
 
-The pieces it composes are testable alone: plan.py (which rows), runners.py (prepare,
-run, time, outputs per backend), judge.py (accuracy and the TF32 yardstick), models.py
-(the compared models), report.py (table / JSON / PNG).
+The pieces it composes are testable alone: settings.py (what was asked), plan.py (which
+rows), rows.py (a row, speedups, notes), runners.py (prepare, run, time, outputs per
+backend), judge.py (accuracy and the TF32 yardstick), oracle.py (the FP16-faithful check),
+models.py (the compared models), report.py (table / JSON / PNG). An ONNX Runtime row's model
+is opened first in a child process (graphmp/load_check.py): a crash fails that row only.
 
 Untrusted models and users' files: outputs.py checks, before any work, that nothing the
 run writes is a file it reads or a device; a model ONNX Runtime refuses is a one-line
@@ -15,15 +17,14 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, fields
-
 import onnx
 
 from ..budget import round_float_inputs, tf32_model
-from ..check import check
 from ..convert import convert
 from ..errors import GraphmpError, first_line
-from ..inputs import batch_positions, find_shapes, generate, input_specs, parse_shapes, rebatch, user_batches
+from ..load_check import LoadCheckFailed, failure_text, probe
+from ..session import CPU, CUDA
+from ..inputs import batch_positions, find_shapes, generate, input_specs, rebatch, user_batches
 from ..model_io import load_model, model_weight_bytes
 from ..model_runs import run_ort
 from ..model_runs import runner as ort_runner
@@ -32,17 +33,20 @@ from .outputs import kept_engine, kept_model, refuse_overwrites
 from ..progress import Progress
 from . import judge as J
 from .env import environment, gpu_names
-from .models import ORT_OPT_TYPES, convert_occ, convert_ort_opt, fp32_baseline
-from .plan import BACKENDS, COMPARE, LABELS, PRECISIONS, SOURCES, groups, plan_rows, static_shapes
+from .models import convert_occ, convert_ort_opt, fp32_baseline
+from .plan import COMPARE, SOURCES, groups, plan_rows, static_shapes
 from .source import is_fp32, source_precision
 from .report import BenchResult, clean
-from .runners import (TIMING, TIMING_TEXT, FellBack, OrtRunner, TrtRunner, device_memory_used, latency_stats,
-                      ort_cuda_options, ort_cuda_status, time_interleaved, trt_status)
+from .oracle import fp16_oracle
+from .rows import add_speedups, fastest_variants
+from .rows import kept as _kept, new_row as _new_row, row_name as _row_name, table_notes as _notes
+from .runners import (TIMING, FellBack, OrtRunner, TrtRunner, device_memory_used, latency_stats, ort_cuda_options,
+                      ort_cuda_status, time_interleaved, trt_status)
+from .settings import Settings, csv_items
 
 SCHEMA_VERSION = 2
 ROW_PROGRESS_S = 2.0  # at most this often, a line on stderr about the row being warmed up or timed
 NOTHING = "nothing to convert"  # graphmp.convert's word for a model with no FP32 work
-CUDNN_SEARCH = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
 
 
 class BenchInterrupted(KeyboardInterrupt):
@@ -53,74 +57,6 @@ class BenchInterrupted(KeyboardInterrupt):
     def __init__(self, result):
         super().__init__(result.data.get("interrupted"))
         self.result = result
-
-
-@dataclass
-class Settings:
-    """What one run was asked (validated by `from_kwargs`); written to the JSON's settings."""
-    backends: list = field(default_factory=lambda: list(BACKENDS))
-    precisions: list = field(default_factory=lambda: ["fp32", "tf32", "fp16"])
-    batches: list = field(default_factory=lambda: [1])
-    data: str | None = None
-    shapes: dict | None = None
-    seed: int = 0
-    warmup: int = 10
-    iterations: int = 50
-    min_time: float = 1.0
-    rounds: int = 5
-    cudnn_conv_algo_search: str = "EXHAUSTIVE"
-    timing_cache: str | None = None
-    workspace_mb: int | None = None
-    max_error: float = J.DEFAULT_MAX_ERROR
-    tf32_factor: float = J.DEFAULT_TF32_FACTOR
-    atol: float | None = None
-    rtol: float | None = None
-    oracle_max_mb: float = 50.0
-    model_type: str | None = None
-
-    @classmethod
-    def from_kwargs(cls, backends, precisions, compare, batches, **kw) -> "Settings":
-        s = cls(**kw)
-        s.backends = _csv(backends, "backend", BACKENDS)
-        compare = _csv(compare or [], "comparison (--compare)", COMPARE)
-        s.precisions = _csv(precisions, "precision", PRECISIONS) if precisions else ["fp32", "tf32", "fp16"]
-        s.precisions += [p for p in compare if p not in s.precisions]
-        s.batches = _batches(batches)
-        s.shapes = parse_shapes(s.shapes) or None
-        if s.cudnn_conv_algo_search not in CUDNN_SEARCH:
-            raise GraphmpError(f"cudnn_conv_algo_search must be one of {', '.join(CUDNN_SEARCH)}")
-        if s.warmup < 0 or s.iterations < 1 or s.min_time < 0 or s.rounds < 1:
-            raise GraphmpError("need warmup >= 0, iterations >= 1, min_time >= 0 and rounds >= 1")
-        if not (s.max_error > 0 and s.tf32_factor >= 1):
-            raise GraphmpError(f"need --max-error > 0 and --tf32-factor >= 1 (got {s.max_error}, {s.tf32_factor})")
-        if s.model_type is not None and s.model_type not in ORT_OPT_TYPES:
-            raise GraphmpError(f"--model-type '{s.model_type}' is not one of {', '.join(ORT_OPT_TYPES)}")
-        return s
-
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["min_time_s"] = d.pop("min_time")
-        d["rule"] = J.rule_text(self.max_error, self.tf32_factor, self.atol, self.rtol)
-        d["timing"], d["timing_text"] = TIMING, TIMING_TEXT
-        return d
-
-
-def _csv(x, what, allowed=None):
-    items = [s.strip() for s in x.split(",") if s.strip()] if isinstance(x, str) else list(x)
-    bad = [s for s in items if allowed is not None and s not in allowed]
-    if bad:
-        raise GraphmpError(f"unknown {what} {bad}; choose from {', '.join(allowed)}")
-    return items
-
-
-def _batches(x) -> list:
-    try:
-        items = [int(b) for b in _csv(str(x) if isinstance(x, int) else x, "batch")]
-    except (TypeError, ValueError):
-        raise GraphmpError(f"batch sizes must be positive integers like 1,8,32, not {x!r}") from None
-    if not items or any(b < 1 for b in items):
-        raise GraphmpError(f"batch sizes must be positive integers like 1,8,32, not {x!r}")
-    return sorted(set(items))
 
 
 def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=None, compare=None,
@@ -146,7 +82,7 @@ def bench(model, *, converted=None, backends="trt,ort-cuda,ort-cpu", precisions=
     """
     if command is None:
         command = f"graphmp.bench({os.fspath(model)!r}, backends={backends!r}, batches={batches!r}, ...)"
-    compare = _csv(compare or [], "comparison (--compare)", COMPARE)
+    compare = csv_items(compare or [], "comparison (--compare)", COMPARE)
     if compare_occ and "occ" not in compare:
         compare.append("occ")
     s = Settings.from_kwargs(backends, precisions, compare, batches, **options)
@@ -191,6 +127,7 @@ class _Run:
         self.notes, self.models, self.model_errors, self.model_info = [], {}, {}, {}
         self.rows, self.outputs, self.refs, self.emulated, self.floors = [], {}, {}, {}, {}
         self.conversion = None
+        self.probed = {}  # _cannot_open's answers
         self.interrupted = None  # why the rows stopped early (Ctrl-C), else None
         self.bar = Progress(enabled=False)  # run_rows' progress line
         self.doing = None        # (row, what: "... {row} ..." or a function giving it) now: what a Ctrl-C cuts
@@ -277,6 +214,9 @@ class _Run:
         self.log(f"converting {path} with graphmp.convert")
         try:
             d = convert(path, dst, calibration=[s.data] if s.data is not None else None).to_dict()
+        except LoadCheckFailed as e:  # ONNX Runtime cannot open the conversion: its rows say why, the others run
+            self.model_errors["fp16"] = f"graphmp.convert: load check failed: {first_line(e, 400)}"
+            return
         except GraphmpError as e:
             if NOTHING not in str(e):
                 raise
@@ -313,6 +253,11 @@ class _Run:
                                 f"{', '.join(f'{n}[{a}]' for n, a in positions) or 'none'})")
         else:
             src = self.source or self.models["fp16"]
+            if self.source is None:  # a converted source is opened here first: in a child process first
+                res = probe(src, run=False)
+                if not res["passed"]:
+                    raise GraphmpError(f"{src}: ONNX Runtime cannot open the model ({failure_text(res)}); bench "
+                                       "needs it to find the input shapes")
             try:
                 run = ort_runner(src)
             except Exception as e:  # noqa: BLE001 - an op ORT lacks, a malformed node: one line, no traceback
@@ -486,8 +431,12 @@ class _Run:
             else:
                 out_shapes = ({k: v.shape for k, v in self.reference(spec.batch).items()}
                               if spec.variant == "cuda-graph" else None)
-                runner = OrtRunner(src, feeds, "cuda" if b == "ort-cuda" else "cpu",
-                                   ort_cuda_options(p, spec.variant, s.cudnn_conv_algo_search) if gpu else None,
+                options = ort_cuda_options(p, spec.variant, s.cudnn_conv_algo_search) if gpu else None
+                why = self._cannot_open(src, spec, options)
+                if why is not None:
+                    row.update(status="failed", error=why)
+                    return None
+                runner = OrtRunner(src, feeds, "cuda" if b == "ort-cuda" else "cpu", options,
                                    output_shapes=out_shapes)
                 row["build_s"] = time.perf_counter() - t0
             row["provider"] = runner.provider
@@ -509,6 +458,18 @@ class _Run:
         elif gpu:
             row["memory_note"] = how
         return runner
+
+    def _cannot_open(self, src: str, spec, options: dict | None) -> str | None:
+        """Why ONNX Runtime cannot open and run `src` as this row would (its provider and
+        options, its batch's inputs), found in a child process (graphmp/load_check.py) so that
+        a crash fails this row only; None when it can. Once per model, backend, options and batch."""
+        providers = [(CUDA, options or {}), CPU] if spec.backend == "ort-cuda" else [CPU]
+        key = (src, repr(providers), spec.batch)
+        if key not in self.probed:
+            res = probe(src, self.feeds[spec.batch], providers=providers, options={"log_severity_level": 4})
+            self.probed[key] = None if res["passed"] else f"ONNX Runtime cannot open or run this model: " \
+                                                          f"{failure_text(res)}"
+        return self.probed[key]
 
     def _warm_up(self, row, runner):
         """`warmup` untimed runs, with a progress line (at most every ROW_PROGRESS_S)."""
@@ -588,48 +549,6 @@ class _Run:
             row["accuracy"].update(yardstick=src, reference=self.reference_text)
 
     # --- oracle, notes, result
-    def oracle(self) -> list:
-        """FP16-faithful check (graphmp.check) of each FP16 model on one sample of the smallest batch."""
-        s, out = self.s, []
-        one = rebatch(self.feeds[s.batches[0]], self.positions, 1)
-        size_mb = model_weight_bytes(self.graph) / 1e6
-        for p in (p for p in ("fp16", "occ") if p in s.precisions):
-            entry = {"precision": p, "batch": 1 if self.positions else s.batches[0], "status": "ok", "reason": None,
-                     "oracle": None, "passed": None, "max_abs": None, "max_rel": None, "argmax_agree": None,
-                     "nonfinite": None}
-            mixed = self.models.get(p)
-            if self.interrupted is not None:
-                entry.update(status="skipped", reason="the run was interrupted (Ctrl-C)")
-            elif self.source is None:
-                entry.update(status="skipped", reason="no FP32 source to compare with")
-            elif mixed is not None and mixed == self.source:
-                entry.update(status="skipped", reason="nothing was converted: the rows run the reference model itself")
-            elif mixed is None:
-                entry.update(status="skipped", reason=self.model_errors.get(p) or "no converted model")
-            elif s.oracle_max_mb <= 0:
-                entry.update(status="skipped", reason="off (oracle_max_mb 0)")
-            elif size_mb > s.oracle_max_mb:
-                entry.update(status="skipped", reason=f"FP32 weights {size_mb:.0f} MB > {s.oracle_max_mb:g} MB: the "
-                             "oracle (graphmp check's FP16-faithful emulation) is skipped at this size; run graphmp "
-                             "check on the model, or raise --oracle-max-mb")
-            else:
-                try:
-                    rep = check(self.source, mixed, data=one, max_error=s.max_error, atol=s.atol,
-                                rtol=s.rtol).to_dict()
-                    acc = {k: v for k, v in rep["outputs"].items() if "[ORT CUDA]" not in k}
-                    if not acc:
-                        raise GraphmpError("the check compared no output (does the model load? see its row)")
-                    agrees = [v["argmax_agree"] for v in acc.values() if v["argmax_agree"] is not None]
-                    entry.update(oracle=rep["oracle"], passed=all(v["passed"] for v in acc.values()),
-                                 max_abs=max(v["max_abs"] for v in acc.values()),
-                                 max_rel=max(v["max_rel"] for v in acc.values()),
-                                 argmax_agree=min(agrees) if agrees else None,
-                                 nonfinite=sum(v["nonfinite"] for v in acc.values()))
-                except Exception as e:  # noqa: BLE001
-                    entry.update(status="failed", reason=f"{type(e).__name__}: {str(e)[:200]}")
-            out.append(entry)
-        return out
-
     def result(self, command) -> dict:
         s = self.s
         notes = self.notes + _notes(s, self.status)
@@ -638,7 +557,7 @@ class _Run:
             notes.append(f"ort-opt: model_type {i['model_type']} ({'guessed from the graph' if i['guessed'] else 'given'}"
                          f"); {i['how']}; fused: {i['fused'] or 'nothing'}")
         try:
-            oracle = self.oracle()
+            oracle = fp16_oracle(self)
         except KeyboardInterrupt:  # the rows are timed and judged: keep them, say the oracle did not run
             self.interrupted = ("interrupted (Ctrl-C) while running the FP16-faithful oracle: every row was timed "
                                 "and judged")
@@ -668,76 +587,3 @@ class _Run:
             "oracle": oracle, "notes": notes,
             "partial": self.interrupted is not None, "interrupted": self.interrupted,
         }
-
-
-def add_speedups(rows: list) -> None:
-    """speedup_vs_fp32 / speedup_vs_tf32 of every finished row: the fp32 / tf32 row of the same
-    backend, batch and variant (same session options) over this row, by median latency."""
-    ok = [r for r in rows if r["status"] == "ok"]
-    for r in ok:
-        for base, key in (("fp32", "speedup_vs_fp32"), ("tf32", "speedup_vs_tf32")):
-            ref = next((x for x in ok if (x["backend"], x["batch"], x["variant"], x["precision"])
-                        == (r["backend"], r["batch"], r["variant"], base)), None)
-            if ref:
-                r[key] = ref["latency_ms"]["median"] / r["latency_ms"]["median"]
-
-
-def fastest_variants(rows: list) -> list:
-    """Per backend, batch and precision timed in more than one variant: the fastest variant."""
-    ok = [r for r in rows if r["status"] == "ok"]
-    out = []
-    keys = sorted({(r["backend"], r["batch"], r["precision"]) for r in ok},
-                  key=lambda k: (k[0], k[1], PRECISIONS.index(k[2])))
-    for b, batch, p in keys:
-        by = {r["variant"]: r["latency_ms"]["median"] for r in ok
-              if (r["backend"], r["batch"], r["precision"]) == (b, batch, p)}
-        if len(by) > 1:
-            best = min(by, key=by.get)
-            out.append({"backend": b, "batch": batch, "precision": p, "variant": best, "median_ms": by[best],
-                        "by_variant": by})
-    return out
-
-
-def _row_name(row) -> str:
-    """'ort-cpu fp16 batch 8' ('ort-cuda fp16 nhwc batch 8' for a variant): a row in progress lines."""
-    variant = "" if row["variant"] == "default" else f" {row['variant']}"
-    return f"{row['backend']} {row['precision']}{variant} batch {row['batch']}"
-
-
-def _kept(info, kept):
-    """`info` with its path dropped when the work folder is temporary (gone after the run)."""
-    return info if info is None or kept else dict(info, path=None)
-
-
-def _new_row(spec, labels=None) -> dict:
-    """A planned row, not yet run; `labels`: {precision: (label, model)} where the source
-    is not an FP32 model (graphmp/bench/source.py) and the defaults would misname the row."""
-    b, p = spec.backend, spec.precision
-    label, model = (labels or {}).get(p, (LABELS[p], SOURCES[p]))
-    return {"backend": b, "precision": p, "variant": spec.variant, "label": label, "model": model,
-            "batch": spec.batch, "provider": None, "tf32": None if b == "ort-cpu" else p != "fp32",
-            "status": "ok", "error": None, "settings": {}, "latency_ms": None, "iterations": 0,
-            "throughput_per_s": None, "speedup_vs_fp32": None, "speedup_vs_tf32": None,
-            "peak_device_memory_bytes": None,
-            "memory_note": "host memory: not measured per row" if b == "ort-cpu" else "",
-            "engine_bytes": None, "build_s": None, "output_shapes": None, "accuracy": None}
-
-
-def _notes(s: Settings, status: dict) -> list:
-    notes = []
-    gpu = [b for b in ("trt", "ort-cuda") if b in s.backends and status[b]["status"] == "ok"]
-    if gpu:
-        notes.append("GPU rows: fp32 = TF32 off (strict FP32); tf32 = TF32 on (the default of TensorRT and ORT "
-                     "CUDA); fp16/occ/ort-opt = TF32 on, which only affects their FP32 islands")
-    if "ort-cuda" in gpu:
-        notes.append(f"ORT CUDA: cudnn_conv_algo_search={s.cudnn_conv_algo_search}; TF32 via use_tf32; variants: "
-                     "default, nhwc (prefer_nhwc=1), cuda-graph (enable_cuda_graph=1, static shapes only); speedups "
-                     "compare rows of the same variant")
-    if "trt" in gpu:
-        notes.append("TensorRT: strongly typed (the graph's types and Casts set the precision), one engine per "
-                     "precision and batch (profile min = opt = max); build_s uses a timing cache shared by the run")
-    if "ort-cpu" in s.backends:
-        notes.append("ORT CPU: no TF32 on the CPU (its yardstick is TF32 emulated on ORT CPU); ORT CPU computes "
-                     "almost every FP16 op in FP32 (it inserts casts), so the mixed rows are not faster there and "
-                     "their accuracy hides FP16 rounding and overflow: see the FP16-faithful oracle line")
-    return notes

@@ -38,6 +38,15 @@ def add_calibration(p, text: str):
     p.add_argument("--calibration", nargs="+", metavar="NPZ", help=text)
 
 
+def add_load_check(p, what: str):
+    """--no-load-check: write the output without opening it in ONNX Runtime first."""
+    p.add_argument("--no-load-check", dest="load_check", action="store_false", default=True,
+                   help=f"write the {what} without the load check. By default it replaces the output only after ONNX "
+                   "Runtime (CPU provider, default session options) opened it and ran it once in a child process; "
+                   "a model the runtime cannot open or run (a crash, an error, no answer within a time that grows "
+                   "with the model's size) is exit 1 and nothing is written")
+
+
 def add_validate(p, text: str):
     p.add_argument("--validate", action="store_true", help=text)
 

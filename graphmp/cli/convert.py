@@ -5,9 +5,14 @@ import argparse
 import sys
 
 from ..errors import GraphmpError
-from .args import (add_calibration, add_external_data, add_max_error, add_metric, add_model_type, add_output,
-                   add_quiet, add_report, add_shapes, add_tolerances, add_validate)
-from .outputs import default_output, refuse_clobber, writable, write_json
+from .args import (add_calibration, add_external_data, add_load_check, add_max_error, add_metric, add_model_type,
+                   add_output, add_quiet, add_report, add_shapes, add_tolerances, add_validate)
+from .outputs import default_output, load_check_failed, refuse_clobber, writable, write_json
+
+# after a failed load check whose model loads with ORT_ENABLE_EXTENDED (an optimizer of ORT_ENABLE_ALL breaks on it)
+LOAD_CHECK_FIX = ("Fix: keep the nodes around the failing pattern FP32 (--fp32-nodes REGEX, --fp32-ops OP) and convert "
+                  "again, and please report the model; --no-load-check writes it anyway, for sessions opened with "
+                  "graph_optimization_level=ORT_ENABLE_EXTENDED.")
 
 EPILOG_CONVERT = """\
 how precision is chosen:
@@ -102,6 +107,7 @@ def add(sub):
     c.add_argument("--pad-channels", type=int, metavar="N", help="also pad Conv channels and GEMM dims to "
                    "multiples of N first (see `graphmp pad --help`)")
     _add_fuse(c)
+    add_load_check(c, "converted model")
     add_quiet(c)
 
 
@@ -144,7 +150,7 @@ def _add_fuse(c):
 
 
 def run(args) -> int:
-    from ..convert import convert
+    from ..load_check import LoadCheckFailed
     out = args.output or default_output(args.model, ".mp.onnx")
     if args.no_calibration and args.calibration:
         raise GraphmpError("--calibration and --no-calibration contradict each other; give one")
@@ -154,18 +160,32 @@ def run(args) -> int:
                    [("the model", args.model)], [("a --calibration file", args.calibration),
                                                  ("the --plan file", args.plan)])
     cal = "off" if args.no_calibration else args.calibration
-    rep = convert(args.model, out, target=args.target, keep_io_types=args.keep_io_types,
-                  fp32_ops=args.fp32_ops, fp32_nodes=args.fp32_nodes, fp16_nodes=args.fp16_nodes,
-                  calibration=cal, shapes=args.shapes, range_threshold=args.range_threshold, norm_io=args.norm_io,
-                  island_trials=args.island_trials, max_error=args.max_error, metric=args.metric, strict=args.strict, search_time=args.search_time,
-                  external_data=args.external_data, validate=args.validate, atol=args.atol,
-                  rtol=args.rtol, verbose=not args.quiet, pad_channels=args.pad_channels,
-                  fuse=args.fuse, model_type=args.model_type, plan=args.plan, save_plan=args.save_plan)
+    try:
+        rep = _convert(args, out, cal)
+    except LoadCheckFailed as e:
+        _print_report(args, e.report)
+        return load_check_failed(e, out, LOAD_CHECK_FIX)
+    _print_report(args, rep)
+    return _verdict(args, out, rep.to_dict())
+
+
+def _print_report(args, rep) -> None:
     if args.report:
         write_json(args.report, rep.to_dict())
     if not args.quiet:
         print(rep.summary())
-    return _verdict(args, out, rep.to_dict())
+
+
+def _convert(args, out: str, cal):
+    from ..convert import convert
+    return convert(args.model, out, target=args.target, keep_io_types=args.keep_io_types,
+                   fp32_ops=args.fp32_ops, fp32_nodes=args.fp32_nodes, fp16_nodes=args.fp16_nodes,
+                   calibration=cal, shapes=args.shapes, range_threshold=args.range_threshold, norm_io=args.norm_io,
+                   island_trials=args.island_trials, max_error=args.max_error, metric=args.metric, strict=args.strict,
+                   search_time=args.search_time, external_data=args.external_data, validate=args.validate,
+                   atol=args.atol, rtol=args.rtol, verbose=not args.quiet, pad_channels=args.pad_channels,
+                   fuse=args.fuse, model_type=args.model_type, plan=args.plan, save_plan=args.save_plan,
+                   load_check=args.load_check)
 
 
 def _verdict(args, out: str, d: dict) -> int:
@@ -182,9 +202,11 @@ def _verdict(args, out: str, d: dict) -> int:
         print(f"graphmp: --validate skipped: {d.get('validation_skipped', 'nothing was converted')}", file=sys.stderr)
         return 0
     if args.validate and not d["validation"]["passed"]:
-        print(f"graphmp: validation FAILED for {out}: {_failed_outputs(d['validation'])}. --max-error makes the "
-              "conversion meet a budget; --calibration with real data finds the ranges your inputs reach.",
-              file=sys.stderr)
+        invalid = not d["validation"]["validity"]["valid"]  # accuracy advice cannot fix a model that does not load
+        print(f"graphmp: validation FAILED for {out}: {_failed_outputs(d['validation'])}. "
+              + ("Please report this model: graphmp wrote a model that does not load." if invalid else
+                 "--max-error makes the conversion meet a budget; --calibration with real data finds the ranges your "
+                 "inputs reach."), file=sys.stderr)
         return 1
     return 0
 

@@ -41,3 +41,16 @@ def writable(path, what):
 def default_output(model: str, suffix: str) -> str:
     """MODEL<suffix> next to the input model (-o left out)."""
     return os.path.splitext(model)[0] + suffix
+
+
+def load_check_failed(e, out: str, fix: str) -> int:
+    """The one line for a LoadCheckFailed (graphmp/load_check.py): the cause, what is on
+    disk, the fix; exit 1."""
+    import sys
+
+    from . import _one_line  # names from the model may hold control characters
+    ext = e.result.get("loads_with_extended")
+    print(f"graphmp: load check FAILED: {_one_line(str(e))}. Nothing was written to {out} (a file already there is unchanged). "
+          + (fix if ext else "ONNX Runtime cannot open or run it at any optimization level: please report this "
+             "model (--no-load-check writes it for inspection)."), file=sys.stderr)
+    return 1

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .args import add_external_data, add_output, add_quiet, add_report, add_shapes, add_validate
-from .outputs import default_output, refuse_clobber, writable, write_json
+from .args import add_external_data, add_load_check, add_output, add_quiet, add_report, add_shapes, add_validate
+from .outputs import default_output, load_check_failed, refuse_clobber, writable, write_json
 
 EPILOG_PAD = """\
 what is padded (with zero weights, so outputs are unchanged):
@@ -46,16 +46,26 @@ def add(sub):
                  "--atol or change shape")
     c.add_argument("--atol", type=float, default=1e-4)
     add_shapes(c)
+    add_load_check(c, "padded model")
     add_quiet(c)
 
 
 def run(args) -> int:
+    from ..load_check import LoadCheckFailed
     from ..pad import pad
     out = args.output or default_output(args.model, ".pad.onnx")
     writable(args.report, "--report")
     refuse_clobber([("the output (-o)", out), ("--report", args.report)], [("the model", args.model)])
-    rep = pad(args.model, out, multiple=args.multiple, stem=args.stem, max_overhead=args.max_overhead,
-              external_data=args.external_data, validate=args.validate, shapes=args.shapes)
+    try:
+        rep = pad(args.model, out, multiple=args.multiple, stem=args.stem, max_overhead=args.max_overhead,
+                  external_data=args.external_data, validate=args.validate, shapes=args.shapes,
+                  load_check=args.load_check)
+    except LoadCheckFailed as e:
+        if args.report:
+            write_json(args.report, e.report.to_dict())
+        return load_check_failed(e, out, "Padding changes no precision: the source may fail the same way (graphmp "
+                                 "check SOURCE checks it); please report the model. --no-load-check writes it anyway, "
+                                 "for sessions opened with graph_optimization_level=ORT_ENABLE_EXTENDED.")
     if args.report:
         write_json(args.report, rep.to_dict())
     if not args.quiet:

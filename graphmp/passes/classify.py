@@ -48,6 +48,9 @@ keeps the node FP32 (tests/test_policy.py holds this list to RULES):
      hand-written GRU cell, an attention decoder's hidden state) is rounded again at every
      iteration, and the error compounds (PaddleOCR's SLANet table decoder, 500 iterations:
      box error 0.027 -> 0.001). Its MatMuls stay FP16: Tensor Core work, rounded once per use.
+ 10. [ort-crash] it is a pattern ONNX Runtime cannot open in FP16 (passes/ort_crash.py: a
+     Transpose that moves the batch axis into a MatMul with a constant weight, which
+     torch's batch_first attention exports, crashes its CPU session at default options).
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ from .. import policy
 from ..context import FLOAT, NodeInfo
 from ..model_io import tensor_array
 from ..weight_rounding import weight_facts
-from . import PassResult
+from . import PassResult, ort_crash
 
 FP16_MAX = 65504.0
 FP16_TINY = 2.0 ** -24          # smallest FP16 subnormal: below half of it rounds to 0
@@ -421,6 +424,7 @@ class _Rules:
         self.fp32_ops = set(opt.fp32_ops or ())
         self.stats = InitStats(ctx)
         self.consumers = _PerGraph(lambda g: g.consumers())
+        self.producers = _PerGraph(lambda g: g.producers())
         self.recurrences = _PerGraph(lambda g: _recurrence_nodes(ctx, g, self.consumers(g)))
         self.lim = FP16_MAX if opt.target == "fp16" else BF16_MAX
 
@@ -495,11 +499,16 @@ def _recurrence(r: _Rules, g, n, info, cls):
     return RECURRENCE_REASON if cls == "follow" and n in r.recurrences(g) else None
 
 
+def _ort_crash(r: _Rules, g, n, info, cls):
+    return ort_crash.reason(g, n, r.consumers(g), r.producers(g)) if n.op_type == "Transpose" else None
+
+
 # the rules of the module docstring, in its order: (name, rule(rules, graph, node, info, op
 # class) -> an FP32 reason, None (no verdict: the next rule), or DECIDED (no more rules))
 RULES = [("fp16-nodes", _forced_fp16), ("fp32-nodes", _user_fp32), ("int8-qdq", _int8_qdq),
          ("unknown-op", _unknown_op), ("initializers", _initializers), ("range", _range),
-         ("op-class", _op_class), ("summed-square", _summed_square_rule), ("recurrence", _recurrence)]
+         ("op-class", _op_class), ("summed-square", _summed_square_rule), ("recurrence", _recurrence),
+         ("ort-crash", _ort_crash)]
 
 
 def _source_cast(ctx, g, n, info) -> None:
