@@ -48,6 +48,14 @@ keeps the node FP32 (tests/test_policy.py holds this list to RULES):
      hand-written GRU cell, an attention decoder's hidden state) is rounded again at every
      iteration, and the error compounds (PaddleOCR's SLANet table decoder, 500 iterations:
      box error 0.027 -> 0.001). Its MatMuls stay FP16: Tensor Core work, rounded once per use.
+ 10. [mask-sentinel] it carries a constant beyond the low type's max (finfo(float32).min in
+     `(1 - mask) * min`) into a Softmax through elementwise/data-movement nodes: in FP16 the
+     constant is -inf and a fully masked row becomes NaN (passes/value_rules.py);
+ 11. [periodic] it is a Sin/Cos whose argument calibration saw at |x| >= 8, where FP16's
+     spacing is >= 2^-10 of the period, or work that computes that argument (value_rules);
+ 12. [rounded] it computes a value that is rounded to an integer (Round/Floor/Ceil, a Cast
+     to an integer type: durations, lengths, indices), where FP16 error moves values across
+     a rounding boundary (value_rules).
 """
 from __future__ import annotations
 
@@ -62,6 +70,7 @@ from ..context import FLOAT, NodeInfo
 from ..model_io import tensor_array
 from ..weight_rounding import weight_facts
 from . import PassResult
+from . import value_rules
 
 FP16_MAX = 65504.0
 FP16_TINY = 2.0 ** -24          # smallest FP16 subnormal: below half of it rounds to 0
@@ -423,6 +432,22 @@ class _Rules:
         self.consumers = _PerGraph(lambda g: g.consumers())
         self.recurrences = _PerGraph(lambda g: _recurrence_nodes(ctx, g, self.consumers(g)))
         self.lim = FP16_MAX if opt.target == "fp16" else BF16_MAX
+        self.values = _PerGraph(self._value_reasons)
+
+    def _value_reasons(self, g) -> dict:
+        """{node: reason} of rules 10-12 for graph g (passes/value_rules.py)."""
+        out = dict(value_rules.sentinel_reasons(self.ctx, g, self._big_constant))
+        if self.ctx.ranges:
+            for n, why in value_rules.periodic_reasons(self.ctx, g).items():
+                out.setdefault(n, why)
+        for n, why in value_rules.rounded_reasons(self.ctx, g).items():
+            out.setdefault(n, why)
+        return out
+
+    def _big_constant(self, g, name):
+        """max |x| of float initializer `name` when finite and beyond the low type's max, else None."""
+        s = self.stats.get(g, name)
+        return s[0] if s is not None and self.lim < s[0] < float("inf") else None
 
 
 DECIDED = object()  # a rule's verdict that settles the node without an FP32 reason
@@ -495,11 +520,21 @@ def _recurrence(r: _Rules, g, n, info, cls):
     return RECURRENCE_REASON if cls == "follow" and n in r.recurrences(g) else None
 
 
+def _value_rule(prefix: str):
+    """Rule 10, 11 or 12: the reason value_rules gave n, when it starts with `prefix`."""
+    def rule(r: _Rules, g, n, info, cls):
+        why = r.values(g).get(n)
+        return why if why and why.startswith(prefix) else None
+    return rule
+
+
 # the rules of the module docstring, in its order: (name, rule(rules, graph, node, info, op
 # class) -> an FP32 reason, None (no verdict: the next rule), or DECIDED (no more rules))
 RULES = [("fp16-nodes", _forced_fp16), ("fp32-nodes", _user_fp32), ("int8-qdq", _int8_qdq),
          ("unknown-op", _unknown_op), ("initializers", _initializers), ("range", _range),
-         ("op-class", _op_class), ("summed-square", _summed_square_rule), ("recurrence", _recurrence)]
+         ("op-class", _op_class), ("summed-square", _summed_square_rule), ("recurrence", _recurrence),
+         ("mask-sentinel", _value_rule("mask sentinel")), ("periodic", _value_rule("periodic")),
+         ("rounded", _value_rule("rounded"))]
 
 
 def _source_cast(ctx, g, n, info) -> None:
