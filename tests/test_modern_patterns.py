@@ -221,3 +221,39 @@ def _inferred_shapes(path, inputs):
               for v in list(model.graph.value_info) + list(model.graph.output)}
     shapes.update({t.name: list(t.dims) for t in model.graph.initializer}, **inputs)
     return shapes
+
+
+class UNetBlock(nn.Module):
+    """A diffusion U-Net's pieces: a timestep Sin/Cos embedding, GroupNorm (exported as
+    Reshape + InstanceNormalization) between convs, an Einsum attention."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.inp, self.out = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(c, 3, 3, padding=1)
+        self.n1, self.n2 = nn.GroupNorm(4, c), nn.GroupNorm(4, c)
+        self.c1, self.qkv = nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, 3 * c, 1)
+        self.t = nn.Linear(16, c)
+
+    def forward(self, sample, timestep):
+        a = timestep[:, None] * torch.exp(-math.log(10000) * torch.arange(8, dtype=torch.float32) / 8)[None]
+        h = self.inp(sample)
+        h = h + self.c1(nn.functional.silu(self.n1(h))) + self.t(torch.cat([a.sin(), a.cos()], -1))[:, :, None, None]
+        b, c, hh, ww = h.shape
+        q, k, v = self.qkv(self.n2(h)).reshape(b, 3, c, hh * ww).unbind(1)
+        att = torch.softmax(torch.einsum("bci,bcj->bij", q, k) / math.sqrt(c), -1)
+        return self.out(h + torch.einsum("bij,bcj->bci", att, v).reshape(b, c, hh, ww))
+
+
+def test_unet_block_keeps_its_convs_fp16_and_its_timestep_encoding_fp32(tmp_path, capsys):
+    torch.manual_seed(0)
+    src = _export(UNetBlock(), (torch.randn(1, 3, 16, 16), torch.tensor([500.0])), tmp_path / "u.onnx",
+                  ["sample", "timestep"])
+    out = str(tmp_path / "u.mp.onnx")
+    capsys.readouterr()
+    fp32 = _convert(src, out)
+    share = json.load(open(out + ".json"))["cast_traffic"]["compute_fp16_share"]
+    assert share >= 0.9
+    assert {"/Sin", "/Cos"} <= {n for n, r in fp32.items() if r.startswith("periodic:")}
+    feeds = {"sample": np.random.default_rng(3).standard_normal((1, 3, 16, 16)).astype(np.float32),
+             "timestep": np.array([777.0], np.float32)}
+    assert _rel(_fp32(src, feeds)[0], list(run_reference(onnx.load(out), feeds).values())[0]) < 1e-2
