@@ -63,11 +63,10 @@ def _walkable(n) -> bool:
     return policy.op_class(n.op_type, n.domain) in ("follow", "clear", "fp16")
 
 
-def feeding_nodes(ctx, g, start_tensors) -> list:
+def feeding_nodes(ctx, g, start_tensors, producers: dict) -> list:
     """The nodes of g whose float outputs flow into start_tensors through elementwise,
     data-movement and Tensor Core nodes (at most MAX_COMPUTE_HOPS Tensor Core nodes on a
-    path, MAX_WALK nodes in all), nearest first. Needs ctx.types; g's producers."""
-    producers = g.producers()
+    path, MAX_WALK nodes in all), nearest first. Needs ctx.types; producers: g.producers()."""
     todo = [(t, 0) for t in start_tensors]
     seen, out = set(), []
     while todo and len(out) < MAX_WALK:
@@ -93,6 +92,7 @@ def periodic_reasons(ctx, g) -> dict:
     """{node: reason} for g's Sin/Cos with a measured argument of |x| >= PERIODIC_MIN_ARG
     and the work feeding that argument."""
     out: dict = {}
+    producers = g.producers()
     for n in g.nodes:
         if n.op_type not in PERIODIC_OPS or n.domain not in ("", "ai.onnx") or not n.inputs:
             continue
@@ -103,7 +103,7 @@ def periodic_reasons(ctx, g) -> dict:
         why = (f"{n.op_type} '{n.name}': its argument reached |x| {_fmt(r)} in calibration, where FP16's spacing "
                f"({_fmt(sp)}) is {sp / (2 * math.pi):.2%} of the period 2*pi")
         out.setdefault(n, f"periodic: {why}")
-        for p in feeding_nodes(ctx, g, n.inputs[:1]):
+        for p in feeding_nodes(ctx, g, n.inputs[:1], producers):
             out.setdefault(p, f"periodic: computes the argument of {why}")
     return out
 
@@ -111,6 +111,7 @@ def periodic_reasons(ctx, g) -> dict:
 def rounded_reasons(ctx, g) -> dict:
     """{node: reason} for the float work that computes a value g rounds to an integer."""
     out: dict = {}
+    producers = g.producers()
     for n in g.nodes:
         if n.domain not in ("", "ai.onnx") or not n.inputs or ctx.type_of(g, n.inputs[0]) != FLOAT:
             continue
@@ -126,7 +127,7 @@ def rounded_reasons(ctx, g) -> dict:
                "values near a rounding boundary by a whole unit")
         if n.op_type in ROUNDING_OPS:
             out.setdefault(n, why)
-        for p in feeding_nodes(ctx, g, n.inputs[:1]):
+        for p in feeding_nodes(ctx, g, n.inputs[:1], producers):
             out.setdefault(p, why)
     return out
 
