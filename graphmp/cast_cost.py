@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from .compute_share import COMPUTE_OPS as SHARE_OPS, compute_flops as share_flops, node_precision
+from .compute_share import compute_flops as share_flops, compute_nodes
 from .model_io import CONVERT_MARK, iter_graphs, skeleton
 
 COMPUTE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum")
@@ -286,29 +286,21 @@ def _compute_share(f: _Facts, inferred: bool) -> dict:
     float ones and the INT8 ones), those in the low type and in INT8, the low type's share
     (None when unavailable), the INT8 ops by type, and whether approximate."""
     filled = {x: [d or 1 for d in dims] for x, (dims, _) in f.shapes.items()}
-    dequantized = {n.output[0] for g in f.graphs for n in g.node if n.op_type == "DequantizeLinear" and n.output}
     flops = low = int8 = 0.0
     int8_ops: dict = {}
     flops_approx = flops_unavail = False
-    for gi, g in enumerate(f.graphs):
-        for n in g.node:
-            if n.op_type not in SHARE_OPS or n.domain not in ("", "ai.onnx"):
-                continue
-            fl = share_flops(n, filled)
-            used = [f.shapes[x][0] for x in list(n.output[:1]) + list(n.input[:2]) if x in f.shapes]
-            if fl is None:
-                flops_approx = True
-                flops_unavail |= gi == 0 and not f.concrete
-                continue
-            if any(None in d for d in used):
-                flops_approx = True
-                flops_unavail |= gi == 0 and not f.concrete
-            flops += fl
-            p = node_precision(n, f.types, dequantized)
-            low += fl if p in ("fp16", "bf16") else 0.0
-            if p == "int8":
-                int8 += fl
-                int8_ops[n.op_type] = int8_ops.get(n.op_type, 0) + 1
+    for gi, n, p, fl in compute_nodes(f.graphs, filled, f.types):
+        used = [f.shapes[x][0] for x in list(n.output[:1]) + list(n.input[:2]) if x in f.shapes]
+        if fl is None or any(None in d for d in used):
+            flops_approx = True
+            flops_unavail |= gi == 0 and not f.concrete
+        if fl is None:
+            continue
+        flops += fl
+        low += fl if p in ("fp16", "bf16") else 0.0
+        if p == "int8":
+            int8 += fl
+            int8_ops[n.op_type] = int8_ops.get(n.op_type, 0) + 1
     ok_flops = inferred and flops > 0 and not flops_unavail
     out = dict(compute_flops=flops if ok_flops else None, compute_flops_low=low if ok_flops else None,
                compute_fp16_share=low / flops if ok_flops else None, compute_approximate=bool(flops_approx))

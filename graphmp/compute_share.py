@@ -92,6 +92,15 @@ def model_types(model) -> dict:
     return types
 
 
+def compute_nodes(graphs: list, shapes: dict, types: dict) -> list:
+    """[(graph index, node, precision, FLOPs or None where `shapes` do not give them)] for
+    every node of COMPUTE_OPS in `graphs` (the model's graphs, main graph first)."""
+    dequantized = {n.output[0] for g in graphs for n in g.node if n.op_type == "DequantizeLinear" and n.output}
+    return [(gi, n, node_precision(n, types, dequantized), compute_flops(n, shapes))
+            for gi, g in enumerate(graphs) for n in g.node
+            if n.op_type in COMPUTE_OPS and n.domain in ("", "ai.onnx")]
+
+
 def precision_shares(model, shapes: dict, types: dict | None = None) -> dict:
     """FLOPs per precision of the model's compute nodes (every graph) at `shapes` ({tensor:
     dims}, unknown dims as 1; a node whose FLOPs these shapes do not give is counted in
@@ -99,23 +108,16 @@ def precision_shares(model, shapes: dict, types: dict | None = None) -> dict:
     FLOPs}, "total", "share": {precision: fraction} or None when total is 0, "int8_ops":
     {op type: count} of the INT8 nodes, "unknown_nodes"}."""
     types = model_types(model) if types is None else types
-    graphs = list(iter_graphs(model.graph))
-    dequantized = {n.output[0] for g in graphs for n in g.node if n.op_type == "DequantizeLinear" and n.output}
     flops = dict.fromkeys(PRECISIONS, 0.0)
     int8_ops: dict = {}
     unknown = 0
-    for g in graphs:
-        for n in g.node:
-            if n.op_type not in COMPUTE_OPS or n.domain not in ("", "ai.onnx"):
-                continue
-            fl = compute_flops(n, shapes)
-            if fl is None:
-                unknown += 1
-                continue
-            p = node_precision(n, types, dequantized)
-            flops[p] += fl
-            if p == "int8":
-                int8_ops[n.op_type] = int8_ops.get(n.op_type, 0) + 1
+    for _, n, p, fl in compute_nodes(list(iter_graphs(model.graph)), shapes, types):
+        if fl is None:
+            unknown += 1
+            continue
+        flops[p] += fl
+        if p == "int8":
+            int8_ops[n.op_type] = int8_ops.get(n.op_type, 0) + 1
     total = sum(flops.values())
     return {"flops": flops, "total": total, "share": {p: f / total for p, f in flops.items()} if total else None,
             "int8_ops": int8_ops, "unknown_nodes": unknown}

@@ -160,7 +160,8 @@ def test_finfo_min_mask_keeps_fully_masked_rows_as_fp32(tmp_path, calibration):
     out = str(tmp_path / "a.mp.onnx")
     extra = []
     if calibration == "unpadded":
-        np.savez(tmp_path / "cal.npz", input_ids=np.arange(24).reshape(2, 12), attention_mask=np.ones((2, 12), np.int64))
+        np.savez(tmp_path / "cal.npz", input_ids=np.arange(24).reshape(2, 12),
+                 attention_mask=np.ones((2, 12), np.int64))
         extra = ["--calibration", str(tmp_path / "cal.npz")]
     fp32 = _convert(src, out, *extra)
     want = "mask sentinel:" if calibration == "unpadded" else "range:"
