@@ -5,12 +5,13 @@
     quarter is 0 (padded_mask), so calibration and check see masked positions, where a
     mask built with a sentinel (finfo.min) and its Softmax meet; N(0,1) or all-ones masks
     never mask anything.
-  * A float input whose values reach a Sin/Cos (through elementwise, data-movement and
-    Tensor Core nodes) is an encoding's argument: coordinates, timesteps. Its name says
-    which: coordinates/points/boxes are drawn uniformly over [0, 1024) pixels, timesteps
-    over [0, 1000); N(0,1) would never reach the argument's real range, so the range rules
-    (passes/value_rules.py: periodic) would not see it. An input of another name gets no
-    span, and calibration warns, naming it.
+  * A float (or integer) input whose values reach a Sin/Cos (through elementwise,
+    data-movement, Cast and Tensor Core nodes) is an encoding's argument: coordinates,
+    timesteps, positions. Its name says which: coordinates/points/boxes are drawn
+    uniformly over [0, 1024) pixels, timesteps over [0, 1000), position ids (a rotary
+    embedding's) count 0, 1, 2, ... along the last axis; N(0,1) or 0/1 would never reach
+    the argument's real range, so the periodic rule (passes/value_rules.py) would not see
+    it. An input of another name gets no values of its own, and calibration warns, naming it.
 """
 from __future__ import annotations
 
@@ -28,11 +29,13 @@ _FORWARD = frozenset({
     "Conv", "Clip", "Max", "Min", "Sum", "Mean", "Sqrt", "Pow",
 })
 WALK = 24
+POSITIONS = re.compile(r"pos(ition)?_?ids?$", re.I)
 SPANS = (
     (re.compile(r"coord|point|box|pixel|xy|pos(ition)?s?$", re.I), (0.0, 1024.0), "pixel coordinates"),
     (re.compile(r"time|step|(^|_)t$|sigma|noise_?level", re.I), (0.0, 1000.0), "timesteps"),
 )
-FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE)
+# element types an encoding's argument arrives in (integer timesteps are Cast to float first)
+NUMERIC = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.INT64, TensorProto.INT32)
 
 
 def _users(g) -> dict:
@@ -59,16 +62,21 @@ def reaches_periodic(name: str, users: dict) -> bool:
 
 
 def periodic_hints(model: onnx.ModelProto) -> dict:
-    """{input: {"span": [lo, hi], "as": what}} for float inputs that reach a Sin/Cos and whose
-    name says what they are; {input: {"periodic": "unknown"}} for the others that reach one."""
+    """{input: {"span": [lo, hi], "as": what}} or {input: {"positions": True}} for float and
+    int32/int64 inputs that reach a Sin/Cos and whose name says what they are; {input:
+    {"periodic": "unknown"}} for the others that reach one (masks excluded)."""
     users = _users(model.graph)
     inits = {t.name for t in model.graph.initializer}
     out = {}
     for i in model.graph.input:
-        if i.name in inits or i.type.tensor_type.elem_type not in FLOATS or not reaches_periodic(i.name, users):
+        if i.name in inits or i.type.tensor_type.elem_type not in NUMERIC or "mask" in i.name.lower() \
+                or not reaches_periodic(i.name, users):
             continue
         span = next(((lo_hi, what) for pat, lo_hi, what in SPANS if pat.search(i.name)), None)
-        out[i.name] = ({"span": list(span[0]), "as": span[1]} if span else {"periodic": "unknown"})
+        if POSITIONS.search(i.name):
+            out[i.name] = {"positions": True}
+        else:
+            out[i.name] = {"span": list(span[0]), "as": span[1]} if span else {"periodic": "unknown"}
     return out
 
 
@@ -89,3 +97,10 @@ def padded_mask(shape: tuple, dtype) -> np.ndarray:
     else:
         m[..., cut:] = 0
     return m
+
+
+def positions(shape: tuple, dtype) -> np.ndarray:
+    """0, 1, 2, ... along the last axis, the same in every row (position ids)."""
+    if not shape:
+        return np.zeros(shape, dtype=dtype)
+    return np.broadcast_to(np.arange(shape[-1]), shape).astype(dtype)

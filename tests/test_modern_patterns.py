@@ -258,3 +258,38 @@ def test_unet_block_keeps_its_convs_fp16_and_its_timestep_encoding_fp32(tmp_path
     feeds = {"sample": np.random.default_rng(3).standard_normal((1, 3, 16, 16)).astype(np.float32),
              "timestep": np.array([777.0], np.float32)}
     assert _rel(_fp32(src, feeds)[0], list(run_reference(onnx.load(out), feeds).values())[0]) < 1e-2
+
+
+def _rope_like(tmp_path):
+    """position_ids -> Cast -> Mul(inverse frequencies) -> Sin/Cos -> scale x: a rotary table."""
+    from onnx import TensorProto as TP
+    from onnx import helper, numpy_helper
+    inv = numpy_helper.from_array((10000.0 ** (-np.arange(8) / 8)).astype(np.float32), "inv_freq")
+    nodes = [helper.make_node("Unsqueeze", ["position_ids", "ax"], ["p3"]),
+             helper.make_node("Cast", ["p3"], ["pf"], to=TP.FLOAT),
+             helper.make_node("Mul", ["pf", "inv_freq"], ["arg"]),
+             helper.make_node("Sin", ["arg"], ["s"]), helper.make_node("Cos", ["arg"], ["c"]),
+             helper.make_node("Concat", ["s", "c"], ["sc"], axis=-1),
+             helper.make_node("MatMul", ["x", "w"], ["xw"]),
+             helper.make_node("Mul", ["xw", "sc"], ["y"])]
+    g = helper.make_graph(nodes, "rope", [helper.make_tensor_value_info("position_ids", TP.INT64, [1, "s"]),
+                                          helper.make_tensor_value_info("x", TP.FLOAT, [1, "s", 16])],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, None)],
+                          [inv, numpy_helper.from_array(np.array([-1], np.int64), "ax"),
+                           numpy_helper.from_array(np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32),
+                                                   "w")])
+    path = str(tmp_path / "rope.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_position_ids_count_up_so_a_rotary_table_is_measured(tmp_path):
+    from graphmp.inputs import generate, input_specs, value_hints
+    src = _rope_like(tmp_path)
+    hints = value_hints(onnx.load(src))
+    assert hints["position_ids"] == {"positions": True}
+    feeds = generate(input_specs(onnx.load(src)), {"position_ids": (1, 16), "x": (1, 16, 16)}, 0, hints)
+    np.testing.assert_array_equal(feeds["position_ids"], np.arange(16)[None])
+    fp32 = _convert(src, str(tmp_path / "rope.mp.onnx"), "--shapes", "position_ids:1x16,x:1x16x16")
+    periodic = [r for r in fp32.values() if r.startswith("periodic:")]
+    assert any("Sin '" in r and "reached |x| 15" in r for r in periodic)  # positions 0..15, frequency 1
