@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from .compute_share import compute_flops as share_flops, compute_nodes
 from .model_io import CONVERT_MARK, iter_graphs, skeleton
 
 COMPUTE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum")
@@ -96,49 +97,11 @@ def shapes_label(shapes: dict) -> str:
                      for k, dims in shapes.items())
 
 
-def _einsum_flops(n, shapes: dict, out_elems: float) -> float | None:
-    eq = next((a.s.decode() for a in n.attribute if a.name == "equation"), "").replace(" ", "")
-    lhs, _, rhs = eq.partition("->")
-    terms = lhs.split(",")
-    sizes: dict = {}
-    counts: dict = {}
-    for term, x in zip(terms, n.input):
-        dims = shapes.get(x)
-        if dims is None:
-            return None
-        letters = term.replace("...", "")
-        offset = len(dims) - len(letters) if "..." in term else 0
-        for i, c in enumerate(letters):
-            pos = i + (offset if "..." in term and i >= term.index("...") else 0)
-            if pos < len(dims):
-                sizes[c] = max(sizes.get(c, 1), dims[pos])
-            counts[c] = counts.get(c, 0) + 1
-    out_letters = set(rhs) if "->" in eq else {c for c, k in counts.items() if k == 1}
-    contracted = [sizes.get(c, 1) for c in counts if c not in out_letters and c != "."]
-    return 2 * out_elems * float(np.prod(contracted)) if contracted else out_elems
-
-
 def compute_flops(n, shapes: dict) -> float | None:
     """Multiply-adds x 2 of a Conv/ConvTranspose/MatMul/Gemm/Einsum node at these (filled)
-    shapes; None without shapes or for another op (the search's region prices use it too)."""
-    out = shapes.get(n.output[0]) if n.output else None
-    if out is None:
-        return None
-    elems = float(np.prod(out)) if out else 1.0
-    a = shapes.get(n.input[0]) if n.input else None
-    w = shapes.get(n.input[1]) if len(n.input) > 1 else None
-    if n.op_type == "Conv":
-        return 2 * elems * float(np.prod(w[1:])) if w else None
-    if n.op_type == "ConvTranspose":
-        return 2 * float(np.prod(a)) * float(np.prod(w[1:])) if w and a else None
-    if n.op_type == "MatMul":
-        return 2 * elems * float(a[-1]) if a else None
-    if n.op_type == "Gemm":
-        trans_a = next((x.i for x in n.attribute if x.name == "transA"), 0)
-        return 2 * elems * float(a[0] if trans_a else a[-1]) if a and len(a) == 2 else None
-    if n.op_type == "Einsum":
-        return _einsum_flops(n, shapes, elems)
-    return None
+    shapes; None without shapes or for another op (the search's region prices use it too;
+    graphmp.compute_share also counts the integer ops)."""
+    return share_flops(n, shapes) if n.op_type in COMPUTE_OPS else None
 
 
 def cast_traffic(model, batch=None, casts_added: int | None = None, measure: bool = False) -> dict:
@@ -335,30 +298,32 @@ def _traffic(casts: list, approximate: bool, unavailable: bool, inferred: bool) 
 
 
 def _compute_share(f: _Facts, inferred: bool) -> dict:
-    """The compute fields of the entry: FLOPs of the compute ops, those whose output is in
-    the low type, their share (None when unavailable), and whether approximate."""
+    """The compute fields of the entry: FLOPs of the compute ops (graphmp.compute_share: the
+    float ones and the INT8 ones), those in the low type and in INT8, the low type's share
+    (None when unavailable), the INT8 ops by type, and whether approximate."""
     filled = {x: [d or 1 for d in dims] for x, (dims, _) in f.shapes.items()}
-    flops = low = 0.0
+    flops = low = int8 = 0.0
+    int8_ops: dict = {}
     flops_approx = flops_unavail = False
-    for gi, g in enumerate(f.graphs):
-        for n in g.node:
-            if n.op_type not in COMPUTE_OPS or n.domain not in ("", "ai.onnx"):
-                continue
-            fl = compute_flops(n, filled)
-            used = [f.shapes[x][0] for x in list(n.output[:1]) + list(n.input[:2]) if x in f.shapes]
-            if fl is None:
-                flops_approx = True
-                flops_unavail |= gi == 0 and not f.concrete
-                continue
-            if any(None in d for d in used):
-                flops_approx = True
-                flops_unavail |= gi == 0 and not f.concrete
-            flops += fl
-            t = f.types.get(n.output[0]) or f.types.get(n.input[0])
-            low += fl if t in LOW_TYPES else 0.0
+    for gi, n, p, fl in compute_nodes(f.graphs, filled, f.types):
+        used = [f.shapes[x][0] for x in list(n.output[:1]) + list(n.input[:2]) if x in f.shapes]
+        if fl is None or any(None in d for d in used):
+            flops_approx = True
+            flops_unavail |= gi == 0 and not f.concrete
+        if fl is None:
+            continue
+        flops += fl
+        low += fl if p in ("fp16", "bf16") else 0.0
+        if p == "int8":
+            int8 += fl
+            int8_ops[n.op_type] = int8_ops.get(n.op_type, 0) + 1
     ok_flops = inferred and flops > 0 and not flops_unavail
-    return dict(compute_flops=flops if ok_flops else None, compute_flops_low=low if ok_flops else None,
-                compute_fp16_share=low / flops if ok_flops else None, compute_approximate=bool(flops_approx))
+    out = dict(compute_flops=flops if ok_flops else None, compute_flops_low=low if ok_flops else None,
+               compute_fp16_share=low / flops if ok_flops else None, compute_approximate=bool(flops_approx))
+    if int8_ops:
+        out.update(compute_flops_int8=int8 if ok_flops else None,
+                   compute_int8_share=int8 / flops if ok_flops else None, int8_ops=int8_ops)
+    return out
 
 
 def _size(b: float) -> str:
@@ -382,6 +347,18 @@ def summary_line(c: dict, target: str = "fp16") -> str:
         share = "Conv/MatMul FLOPs share unknown" if c.get("compute_flops") is None and c.get("compute_approximate") \
             else "no Conv/MatMul FLOPs"
     else:
-        share = (f"{'~' if c['compute_approximate'] else ''}{100 * c['compute_fp16_share']:.1f}% of "
-                 f"Conv/MatMul FLOPs in {target.upper()}")
+        share = _share_text(c, target)
     return f"  cast traffic: {n}, {traffic}; {share}"
+
+
+def _share_text(c: dict, target: str) -> str:
+    """'92.3% of Conv/MatMul FLOPs in FP16', or for a model with INT8 compute '10.0% FP16,
+    85.0% INT8, 5.0% FP32 of Conv/MatMul FLOPs (INT8: 56 MatMulInteger, kept as quantized)'."""
+    approx = "~" if c["compute_approximate"] else ""
+    if not c.get("int8_ops"):
+        return f"{approx}{100 * c['compute_fp16_share']:.1f}% of Conv/MatMul FLOPs in {target.upper()}"
+    low, int8 = c["compute_fp16_share"], c.get("compute_int8_share") or 0.0
+    ops = ", ".join(f"{k} {v}" for k, v in sorted(c["int8_ops"].items()))
+    return (f"{approx}{100 * low:.1f}% {target.upper()}, {approx}{100 * int8:.1f}% INT8, "
+            f"{approx}{100 * max(0.0, 1 - low - int8):.1f}% FP32 of Conv/MatMul FLOPs "
+            f"(INT8 compute kept as quantized: {ops}; the float work around it converted)")

@@ -240,7 +240,7 @@ def _batches(ref, data, shapes, seed, run_ref, flag: str = "--data"):
     specs = input_specs(ref)
     if data is None:
         plan = find_shapes(ref, run_ref, shapes, where="check")
-        ids = [n for n, h in plan.hints.items() if isinstance(h, dict)]
+        ids = [n for n, h in plan.hints.items() if isinstance(h, dict) and "below" in h]
         ids = f"; {', '.join(ids)} uniform over the rows they index" if ids else ""
         return [plan.feeds(seed)], (f"generated ({plan.describe()}; shapes {plan.how}; floats ~N(0,1){ids}: {flag} "
                                     "with real inputs checks the range the model will really see)")

@@ -237,6 +237,14 @@ def _calibration_line(c: dict) -> str:
             f"{c['tensors_observed']} tensors observed")
 
 
+# classify rules 11-13 (passes/value_rules.py); each node's own reason, in --report, names its range
+VALUE_RULE_GROUPS = (
+    ("mask sentinel:", "mask sentinel: carries a constant beyond FP16's max (finfo.min) into a Softmax"),
+    ("periodic:", "periodic: a Sin/Cos argument where FP16's spacing is >= 2^-10 of the period, or its inputs"),
+    ("rounded to an integer:", "rounded to an integer: computes a Round/Floor/Ceil or Cast-to-integer input"),
+)
+
+
 def _reason_group(reason: str) -> str:
     if reason.startswith("range:"):
         return "range: values above the threshold in calibration"
@@ -254,6 +262,9 @@ def _reason_group(reason: str) -> str:
         return "FP32 spread from an FP32 neighbour"
     if "is range-sensitive (FP32 op class)" in reason:  # also a Softmax --norm-io left FP32 (paint.NORM_KEPT)
         return "range-sensitive op (FP32 op class)"
+    for prefix, group in VALUE_RULE_GROUPS:
+        if reason.startswith(prefix):
+            return group
     if reason.startswith("no ") and " form of " in reason:
         return "no low-precision form at this opset"
     return reason

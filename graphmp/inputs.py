@@ -20,7 +20,10 @@ How a dynamic dim gets its size:
      The first assignment that runs wins. Then batch 2 is tried, so calibration can
      see two batch sizes where the model allows it (a fixed-batch state pins it).
   If nothing runs, a one-line error says what was tried and names --shapes.
-Values: floats N(0,1); integers 0/1 (ones for names with 'mask'), or uniform over the rows
+Values: floats N(0,1), but uniform over pixel coordinates or timesteps, or position ids
+0, 1, 2, ..., for an input that reaches a Sin/Cos and is named so (graphmp.input_roles);
+masks (names with 'mask') all ones but the last quarter of the last row (padding); other
+integers 0/1, or uniform over the rows
 of the constant table they index (token ids into an embedding); booleans random;
 an integer scalar that the graph compares with a constant (Equal(sr, 16000) choosing an
 If branch) gets that constant, so the real branch runs; integer lengths (names like
@@ -38,6 +41,7 @@ import onnx
 from onnx import TensorProto
 
 from .errors import GraphmpError, first_line
+from .input_roles import padded_mask, periodic_hints, positions
 from .model_io import load_npz
 from .policy import FLOAT_TYPES
 
@@ -204,7 +208,8 @@ def value_hints(model: onnx.ModelProto) -> dict:
     nodes): token ids into an embedding, drawn uniformly over its rows, so calibration sees
     many different rows, not only rows 0 and 1 (a vocabulary larger than the tokens
     generated is still only sampled: real data, --calibration, covers the real tokens)."""
-    hints = _index_ranges(model)
+    hints = periodic_hints(model)  # coordinates/timesteps that reach a Sin/Cos (graphmp.input_roles)
+    hints.update(_index_ranges(model))
     hints.update(_selector_values(model))
     return hints
 
@@ -277,9 +282,18 @@ def generate(specs: list[Spec], shapes: dict, seed: int = 0, hints: dict | None 
     feeds = {}
     for s in specs:
         shape = tuple(shapes[s.name])
-        if isinstance(hints.get(s.name), dict):  # indices into a table of that many rows
-            feeds[s.name] = rng.integers(0, hints[s.name]["below"], shape).astype(s.dtype)
-        elif s.name in hints:
+        hint = hints.get(s.name)
+        if isinstance(hint, dict) and "periodic" in hint:  # reaches a Sin/Cos, nothing known: as without hints
+            hint = None
+        if isinstance(hint, dict) and "below" in hint:  # indices into a table of that many rows
+            feeds[s.name] = rng.integers(0, hint["below"], shape).astype(s.dtype)
+        elif isinstance(hint, dict) and "span" in hint:  # coordinates/timesteps of a Sin/Cos encoding
+            feeds[s.name] = rng.uniform(*hint["span"], shape).astype(s.dtype)
+        elif isinstance(hint, dict) and "positions" in hint:  # position ids of a rotary/sinusoidal encoding
+            feeds[s.name] = positions(shape, s.dtype)
+        elif "mask" in s.name.lower() and s.elem not in (TensorProto.BFLOAT16, TensorProto.BOOL):  # padding
+            feeds[s.name] = padded_mask(shape, s.dtype)
+        elif hint is not None:
             feeds[s.name] = np.full(shape, hints[s.name], dtype=s.dtype)
         elif s.elem in INT_ELEMS and _LENGTHS.search(s.name):
             feeds[s.name] = np.full(shape, full, dtype=s.dtype)
@@ -287,8 +301,6 @@ def generate(specs: list[Spec], shapes: dict, seed: int = 0, hints: dict | None 
             feeds[s.name] = rng.standard_normal(shape).astype(s.dtype)
         elif s.elem == TensorProto.BOOL:
             feeds[s.name] = rng.integers(0, 2, shape).astype(bool)
-        elif "mask" in s.name.lower():
-            feeds[s.name] = np.ones(shape, dtype=s.dtype)
         else:
             feeds[s.name] = rng.integers(0, 2, shape).astype(s.dtype)
     return feeds

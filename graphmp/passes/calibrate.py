@@ -35,6 +35,7 @@ from ..inputs import dims_text, find_shapes, input_specs, user_batches
 from ..model_io import attr_graphs, model_weight_bytes
 from ..ir import Names
 from ..model_runs import ort_session
+from ..input_roles import unknown_periodic
 from . import PassResult
 
 AUTO_LIMIT = 1 << 30
@@ -290,6 +291,12 @@ def run(ctx) -> PassResult:
         ctx.warn("calibration ran on generated inputs (floats ~N(0,1)): nodes that overflow FP16 only on larger real "
                  "inputs (int16-scale audio, 0-255 pixels, unnormalised features) were not found; for a model fed "
                  "such data, pass --calibration with real batches")
+    unknown = unknown_periodic(cal.report.get("value_hints") or {})
+    if unknown:
+        ctx.warn(f"input(s) {', '.join(repr(n) for n in unknown)} reach a Sin/Cos (a positional or Fourier encoding), "
+                 "and graphmp cannot tell their real range from their name: generated N(0,1) values may stay far below "
+                 "it, so the periodic rule may leave the encoding FP16 where real inputs need FP32; pass --calibration "
+                 "with real batches")
     main = ctx.types.setdefault("main", {})
     for name, elem in cal.proven_types.items():
         main.setdefault(name, elem)

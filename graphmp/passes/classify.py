@@ -51,6 +51,14 @@ keeps the node FP32 (tests/test_policy.py holds this list to RULES):
  10. [ort-crash] it is a pattern ONNX Runtime cannot open in FP16 (passes/ort_crash.py: a
      Transpose that moves the batch axis into a MatMul with a constant weight, which
      torch's batch_first attention exports, crashes its CPU session at default options).
+ 11. [mask-sentinel] it carries a constant beyond the low type's max (finfo(float32).min in
+     `(1 - mask) * min`) into a Softmax through elementwise/data-movement nodes: in FP16 the
+     constant is -inf and a fully masked row becomes NaN (passes/value_rules.py);
+ 12. [periodic] it is a Sin/Cos whose argument calibration saw at |x| >= 8, where FP16's
+     spacing is >= 2^-10 of the period, or work that computes that argument (value_rules);
+ 13. [rounded] it computes a value that is rounded to an integer (Round/Floor/Ceil, a Cast
+     to an integer type: durations, lengths, indices), where FP16 error moves values across
+     a rounding boundary (value_rules).
 """
 from __future__ import annotations
 
@@ -64,7 +72,7 @@ from .. import policy
 from ..context import FLOAT, NodeInfo
 from ..model_io import tensor_array
 from ..weight_rounding import weight_facts
-from . import PassResult, ort_crash
+from . import PassResult, ort_crash, value_rules
 
 FP16_MAX = 65504.0
 FP16_TINY = 2.0 ** -24          # smallest FP16 subnormal: below half of it rounds to 0
@@ -427,6 +435,22 @@ class _Rules:
         self.producers = _PerGraph(lambda g: g.producers())
         self.recurrences = _PerGraph(lambda g: _recurrence_nodes(ctx, g, self.consumers(g)))
         self.lim = FP16_MAX if opt.target == "fp16" else BF16_MAX
+        self.values = _PerGraph(self._value_reasons)
+
+    def _value_reasons(self, g) -> dict:
+        """{node: reason} of rules 11-13 for graph g (passes/value_rules.py)."""
+        out = dict(value_rules.sentinel_reasons(self.ctx, g, self._big_constant))
+        if self.ctx.ranges:
+            for n, why in value_rules.periodic_reasons(self.ctx, g).items():
+                out.setdefault(n, why)
+        for n, why in value_rules.rounded_reasons(self.ctx, g).items():
+            out.setdefault(n, why)
+        return out
+
+    def _big_constant(self, g, name):
+        """max |x| of float initializer `name` when finite and beyond the low type's max, else None."""
+        s = self.stats.get(g, name)
+        return s[0] if s is not None and self.lim < s[0] < float("inf") else None
 
 
 DECIDED = object()  # a rule's verdict that settles the node without an FP32 reason
@@ -503,12 +527,21 @@ def _ort_crash(r: _Rules, g, n, info, cls):
     return ort_crash.reason(g, n, r.consumers(g), r.producers(g)) if n.op_type == "Transpose" else None
 
 
+def _value_rule(prefix: str):
+    """Rule 11, 12 or 13: the reason value_rules gave n, when it starts with `prefix`."""
+    def rule(r: _Rules, g, n, info, cls):
+        why = r.values(g).get(n)
+        return why if why and why.startswith(prefix) else None
+    return rule
+
+
 # the rules of the module docstring, in its order: (name, rule(rules, graph, node, info, op
 # class) -> an FP32 reason, None (no verdict: the next rule), or DECIDED (no more rules))
 RULES = [("fp16-nodes", _forced_fp16), ("fp32-nodes", _user_fp32), ("int8-qdq", _int8_qdq),
          ("unknown-op", _unknown_op), ("initializers", _initializers), ("range", _range),
          ("op-class", _op_class), ("summed-square", _summed_square_rule), ("recurrence", _recurrence),
-         ("ort-crash", _ort_crash)]
+         ("ort-crash", _ort_crash), ("mask-sentinel", _value_rule("mask sentinel")),
+         ("periodic", _value_rule("periodic")), ("rounded", _value_rule("rounded"))]
 
 
 def _source_cast(ctx, g, n, info) -> None:
