@@ -2,14 +2,15 @@
 Conv/ConvTranspose/MatMul/Gemm/Einsum and of the integer ops MatMulInteger, ConvInteger,
 QLinearConv and QLinearMatMul, each counted as
 
-  int8  an integer op, or a float op that reads a DequantizeLinear output (a Q/DQ unit:
-        TensorRT and ONNX Runtime run DQ -> op -> Q as one INT8 kernel);
+  int8  an integer op, or a float op whose two operands are DequantizeLinear outputs (a Q/DQ
+        unit: TensorRT and ONNX Runtime run DQ -> op -> Q as one INT8 kernel);
   fp16  a float op whose output is FLOAT16 (bf16: BFLOAT16);
   fp32  the rest.
 
     shares = precision_shares(model, shapes)   # shapes: {tensor: dims}, unknown dims as 1
     shares["share"]   # {"fp16": 0.6, "int8": 0.3, "fp32": 0.1} (None without FLOPs)
 
+`graphmp inspect` labels nodes with node_precision too (FP8, INT4, FP64 as such).
 cast_cost (convert's summary) and any report that states a compute share use it, so an
 INT8 model whose MatMulIntegers the float conversion leaves alone is not read as FP16.
 """
@@ -70,13 +71,39 @@ def compute_flops(n, shapes: dict) -> float | None:
     return _einsum_flops(n, shapes, elems)
 
 
-def node_precision(n, types: dict, dequantized: set) -> str:
-    """'int8', 'fp16', 'bf16' or 'fp32' for a node of COMPUTE_OPS; types: {tensor: elem
-    type}; dequantized: the DequantizeLinear outputs of the model."""
-    if n.op_type in INTEGER_COMPUTE or any(x in dequantized for x in n.input[:2]):
-        return "int8"
-    t = types.get(n.output[0]) or types.get(n.input[0])
-    return {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16"}.get(t, "fp32")
+LABELS = {TensorProto.FLOAT: "FP32", TensorProto.FLOAT16: "FP16", TensorProto.BFLOAT16: "BF16",
+          TensorProto.DOUBLE: "FP64", TensorProto.INT8: "INT8", TensorProto.UINT8: "INT8"}
+SHARE_KEYS = {"FP16": "fp16", "BF16": "bf16", "INT8": "int8"}  # a share's keys; any other label counts as fp32
+
+
+def precision_label(elem_type) -> str:
+    """FP16/BF16/FP32/FP64/INT8 (uint8 too)/FP8/INT4 for an ONNX element type; 'unknown' for none."""
+    if not elem_type:
+        return "unknown"
+    if elem_type in LABELS:
+        return LABELS[elem_type]
+    name = TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() else str(elem_type)
+    return "FP8" if name.startswith("FLOAT8") else "INT4" if name in ("INT4", "UINT4") else name
+
+
+def node_precision(n, types: dict, producers: dict) -> str:
+    """The precision label a node of COMPUTE_OPS computes in; types: {tensor: elem type};
+    producers: {tensor: node}.
+    - MatMulInteger, ConvInteger, QLinearConv, QLinearMatMul: the type of their quantized
+      weight (INT8 for int8/uint8);
+    - a float op whose first two inputs both come straight from DequantizeLinear (a Q/DQ
+      unit; a weight-only DequantizeLinear computes in float): the type it dequantizes;
+    - else the element type of its output, or of its operands where inference stopped
+      before it (a Conv's weight is an initializer of the type it computes in)."""
+    if n.op_type in INTEGER_COMPUTE:
+        wi = INTEGER_COMPUTE[n.op_type][1]
+        return precision_label(types.get(n.input[wi]) if len(n.input) > wi else None)
+    if len(n.input) >= 2:
+        dq = [producers.get(x) for x in n.input[:2]]
+        if all(p is not None and p.op_type == "DequantizeLinear" for p in dq):
+            return precision_label(types.get(dq[0].input[0]))
+    out = next((x for x in n.output if x), None)
+    return precision_label(next((types[x] for x in [out, *n.input[:2]] if x in types), None))
 
 
 def model_types(model) -> dict:
@@ -95,8 +122,8 @@ def model_types(model) -> dict:
 def compute_nodes(graphs: list, shapes: dict, types: dict) -> list:
     """[(graph index, node, precision, FLOPs or None where `shapes` do not give them)] for
     every node of COMPUTE_OPS in `graphs` (the model's graphs, main graph first)."""
-    dequantized = {n.output[0] for g in graphs for n in g.node if n.op_type == "DequantizeLinear" and n.output}
-    return [(gi, n, node_precision(n, types, dequantized), compute_flops(n, shapes))
+    producers = {x: n for g in graphs for n in g.node for x in n.output}
+    return [(gi, n, SHARE_KEYS.get(node_precision(n, types, producers), "fp32"), compute_flops(n, shapes))
             for gi, g in enumerate(graphs) for n in g.node
             if n.op_type in COMPUTE_OPS and n.domain in ("", "ai.onnx")]
 

@@ -16,13 +16,9 @@ removed in opset 10 are read in their standard forms (graphmp.passes.legalize). 
 model is untrusted input: it is read by graphmp.model_io.load_model (never outside its
 folder; large weights not read).
 
-A node's precision (`node_precision`):
-- MatMulInteger, ConvInteger, QLinearConv, QLinearMatMul: the type of their quantized
-  input (INT8 for int8/uint8);
-- a compute op whose first two inputs come straight from DequantizeLinear (QDQ): the
-  type DequantizeLinear reads (INT8 for int8/uint8; FP8, INT4 likewise);
-- else the element type of its first output (FP16, BF16, FP32, FP64), or "unknown"
-  where inference cannot tell.
+A node's precision: graphmp.compute_share.node_precision, which convert's summary uses
+too (integer ops by their weight's type, Q/DQ units by the type they dequantize, else the
+output's type; "unknown" where inference cannot tell).
 """
 from __future__ import annotations
 
@@ -32,33 +28,18 @@ import re
 from dataclasses import dataclass
 
 import onnx
-from onnx import TensorProto
 
-from .cast_cost import COMPUTE_OPS, cast_fields, compute_flops, infer_facts
+from .cast_cost import cast_fields, infer_facts
+from .compute_share import COMPUTE_OPS, compute_flops, node_precision
 from .ir import attr_graphs
 from .model_io import REASON_MARK, open_model
 
-# Integer compute ops: (the float op whose FLOPs they have, the index of its A and B inputs).
-INTEGER_OPS = {"MatMulInteger": ("MatMul", 0, 1), "ConvInteger": ("Conv", 0, 1),
-               "QLinearMatMul": ("MatMul", 0, 3), "QLinearConv": ("Conv", 0, 3)}
-LABELS = {TensorProto.FLOAT: "FP32", TensorProto.FLOAT16: "FP16", TensorProto.BFLOAT16: "BF16",
-          TensorProto.DOUBLE: "FP64", TensorProto.INT8: "INT8", TensorProto.UINT8: "INT8"}
 ORDER = ("FP16", "BF16", "FP8", "INT8", "INT4", "FP32", "FP64")   # report order; others follow by name
 # Ops of other domains (com.microsoft's FusedConv, QGemm, Attention, MatMulNBits, ...) that do
 # Tensor Core work but are not counted: the report names them.
 OTHER_COMPUTE = re.compile("Conv|MatMul|Gemm|Attention")
 SHOW_NODES = 5          # FP32 nodes named per op type, and precision changes, in the text summary
 SHOW_CHANGES = 20
-
-
-def precision_label(elem_type) -> str:
-    """FP16/BF16/FP32/FP64/INT8 (uint8 too)/FP8/INT4 for an ONNX element type; 'unknown' for none."""
-    if not elem_type:
-        return "unknown"
-    if elem_type in LABELS:
-        return LABELS[elem_type]
-    name = TensorProto.DataType.Name(elem_type) if elem_type in TensorProto.DataType.values() else str(elem_type)
-    return "FP8" if name.startswith("FLOAT8") else "INT4" if name in ("INT4", "UINT4") else name
 
 
 def _walk(graph, path: str = "main"):
@@ -83,31 +64,6 @@ def _node_keys(graph):
             yield f"{n.op_type}#{seen[n.op_type] - 1}", n
 
 
-def node_precision(n, types: dict, producers: dict) -> str:
-    """The precision a node computes in (module docstring); producers: {tensor: node}."""
-    if n.op_type in INTEGER_OPS:
-        return precision_label(types.get(n.input[INTEGER_OPS[n.op_type][1]]))
-    if n.op_type in COMPUTE_OPS and len(n.input) >= 2:
-        dq = [producers.get(x) for x in n.input[:2]]
-        if all(p is not None and p.op_type == "DequantizeLinear" for p in dq):
-            return precision_label(types.get(dq[0].input[0]))
-    # the output's type; for a compute op where inference stopped before it, its operands'
-    # (a Conv's weight is an initializer of the type it computes in)
-    out = next((x for x in n.output if x), None)
-    operands = list(n.input[:2]) if n.op_type in COMPUTE_OPS else []
-    return precision_label(next((types[x] for x in [out, *operands] if x in types), None))
-
-
-def _flops(n, filled: dict) -> float | None:
-    """FLOPs of a compute node (cast_cost.compute_flops; an integer op as its float op)."""
-    if n.op_type in INTEGER_OPS:
-        op, a, b = INTEGER_OPS[n.op_type]
-        if len(n.input) <= b:
-            return None
-        n = onnx.helper.make_node(op, [n.input[a], n.input[b]], list(n.output[:1]))
-    return compute_flops(n, filled)
-
-
 def _reason(n) -> str | None:
     return next((line[len(REASON_MARK):] for line in n.doc_string.splitlines() if line.startswith(REASON_MARK)), None)
 
@@ -123,11 +79,11 @@ def compute_nodes(graphs: list, facts) -> list[dict]:
     out = []
     for path, g in graphs:
         for key, n in _node_keys(g):
-            if n.domain not in ("", "ai.onnx") or (n.op_type not in COMPUTE_OPS and n.op_type not in INTEGER_OPS):
+            if n.domain not in ("", "ai.onnx") or n.op_type not in COMPUTE_OPS:
                 continue
             used = [x for x in list(n.output[:1]) + list(n.input[:4]) if x in facts.shapes]
             out.append({"graph": path, "name": key, "op_type": n.op_type,
-                        "precision": node_precision(n, facts.types, producers), "flops": _flops(n, filled),
+                        "precision": node_precision(n, facts.types, producers), "flops": compute_flops(n, filled),
                         "approximate": any(None in facts.shapes[x][0] for x in used), "reason": _reason(n)})
     return out
 
@@ -220,7 +176,7 @@ def _node_precisions(graphs: list, facts) -> dict:
             if n.op_type == "Cast":
                 continue
             p = node_precision(n, facts.types, producers)
-            if p in ("FP16", "BF16", "FP32", "FP64") or n.op_type in COMPUTE_OPS or n.op_type in INTEGER_OPS:
+            if p in ("FP16", "BF16", "FP32", "FP64") or n.op_type in COMPUTE_OPS:
                 out[(path, key)] = (n.op_type, p, _reason(n))
     return out
 
@@ -260,7 +216,7 @@ def plan_diff(first: dict, second: dict, p1: dict, p2: dict) -> dict:
     common = [k for k in p1 if k in p2]
     changed = [{"graph": k[0], "name": k[1], "op_type": p1[k][0], "first": p1[k][1], "second": p2[k][1],
                 "reason": p1[k][2] or p2[k][2]} for k in common if p1[k][1] != p2[k][1]]
-    changed.sort(key=lambda e: e["op_type"] not in COMPUTE_OPS and e["op_type"] not in INTEGER_OPS)  # compute first
+    changed.sort(key=lambda e: e["op_type"] not in COMPUTE_OPS)  # compute first
     s1, s2 = first["flops"]["share"], second["flops"]["share"]
     labels = [k for k in ORDER if k in s1 or k in s2] + sorted((set(s1) | set(s2)) - set(ORDER))
     return {"matched": len(common), "only_in_first": len(p1) - len(common), "only_in_second": len(p2) - len(common),

@@ -13,7 +13,7 @@ from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx import numpy_helper as nph
 
-from graphmp.cast_cost import COMPUTE_OPS
+from graphmp.compute_share import COMPUTE_OPS
 from graphmp.cli import main
 
 from control_flow_cases import if_weights_in_branches
