@@ -119,8 +119,9 @@ def run_pipeline(ctx, steps=PIPELINE, check: bool | None = None) -> dict:
     whether the contracts were checked (check: None = GRAPHMP_DEBUG=1 or a test run)."""
     check = checking() if check is None else check
     timings, changed = {}, []
-    for step, res, seconds in run_steps(ctx, steps, check, FIELD_CHECKS, log=ctx.log):
+    for step, res, seconds in run_steps(ctx, steps, check, FIELD_CHECKS):
         timings[step.name] = round(seconds, 4)
+        ctx.log(f"{step.name}: {seconds:.2f} s")
         if res is None:
             continue
         if res.changed:
@@ -228,8 +229,20 @@ def _calibration_line(c: dict) -> str:
         return c["source"]
     n = c["batches"]
     how = f"; shapes {c['shapes_found']}" if c.get("shapes_found") else ""
-    return (f"{c['source']}, {n} batch{'es' if n > 1 else ''} ({'; '.join(c['shapes'])}{how}), "
+    return (f"{c['source']}, {n} batch{'es' if n > 1 else ''} ({_shapes_text(c['shapes'])}{how}), "
             f"{c['tensors_observed']} tensors observed")
+
+
+def _shapes_text(shapes: list, most: int = 3) -> str:
+    """The calibration batches' input shapes in a few words: each distinct one once, with
+    its count where it repeats (200 batches of one shape: "x:8x3 (x200)"), at most `most`
+    of them and how many more (the report lists every batch's)."""
+    counts: dict = {}
+    for s in shapes:
+        counts[s] = counts.get(s, 0) + 1
+    parts = [s + (f" (x{k})" if k > 1 else "") for s, k in list(counts.items())[:most]]
+    more = len(counts) - most
+    return "; ".join(parts) + (f"; {more} more shape{'s' if more > 1 else ''}" if more > 0 else "")
 
 
 def _reason_group(reason: str) -> str:
@@ -395,7 +408,7 @@ def _write(ctx, dst, low: LowConverter, had_external: bool, t0: float) -> Conver
     ctx.log(f"writing {dst}{' with external data' if ext else ''}")
     t_write = time.perf_counter()
     save_model(ctx.model, os.fspath(dst), ctx.base_dir, low, bool(ext),
-               progress=(lambda i, n: ctx.log(f"  tensor {i}/{n}")) if opts.verbose else None)
+               progress=(lambda i, n: ctx.detail(f"  tensor {i}/{n}")) if opts.verbose else None)
     report["timings"]["write"] = round(time.perf_counter() - t_write, 4)  # includes deferred conversions
     report["seconds"] = time.perf_counter() - t0
     if opts.validate:

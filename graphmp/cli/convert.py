@@ -39,7 +39,7 @@ accuracy budget (--max-error):
   most-FP16 plan: nodes only the range rule keeps FP32 (|x| up to 4094) start in FP16 and
   stay there where the error allows ("given back"). With two batches or more the last
   one is held back; the plan must also hold on a perturbed copy of the first (shifted one
-  step, x1.01). Progress every 2 s; --search-time S stops with the best plan so far. The
+  step, x1.01). A progress line every 2 s (on a terminal, or with -v); --search-time S stops with the best plan so far. The
   report lists every node the search kept FP32, the error it removed and its share of
   the compute, and the error per batch.
 
@@ -64,7 +64,8 @@ def add(sub):
                        "The input is never modified.", epilog=EPILOG_CONVERT,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("model", help="input FP32 .onnx model (external data is read from its folder)")
-    add_output(c, "output .onnx (default: MODEL.mp.onnx next to the input)")
+    add_output(c, "output .onnx (default: MODEL.mp.onnx in the current directory, MODEL being the input's file "
+               "name without .onnx)")
     c.add_argument("--target", choices=["fp16", "bf16"], default="fp16", help="low-precision type (default fp16)")
     c.add_argument("--keep-io-types", dest="keep_io_types", action="store_true", default=True,
                    help="graph inputs/outputs keep their FP32 types (default)")
@@ -110,7 +111,8 @@ def _add_budget(c):
     add_max_error(c, "accuracy budget: after the static rules, keep the fewest nodes FP32 that bring the error "
                   "of every output on the calibration batches within E (measured FP16-faithfully); tf32: within the "
                   "error TF32 Conv/MatMul already have; floor:K: within K x the error of rounding only the inputs "
-                  "to FP16 (default K=2)", "E|tf32|floor[:K]")
+                  "to FP16 (default K=2); auto: graphmp check's yardstick, max(1e-2, 2 x the TF32 error, 2 x the FP16-input "
+                  "floor). Default: no budget (the static rules alone)", "auto[:K]|E|tf32|floor[:K]")
     add_metric(c, "error for --max-error: max-rel = max|a-b|/max|ref| per output (default), max-abs, or "
                "argmax = fraction of class predictions that change (class-score outputs)")
     c.add_argument("--strict", action="store_true", help="exit 1 when --max-error (or the budget of --plan) cannot "
@@ -159,7 +161,7 @@ def run(args) -> int:
                   calibration=cal, shapes=args.shapes, range_threshold=args.range_threshold, norm_io=args.norm_io,
                   island_trials=args.island_trials, max_error=args.max_error, metric=args.metric, strict=args.strict, search_time=args.search_time,
                   external_data=args.external_data, validate=args.validate, atol=args.atol,
-                  rtol=args.rtol, verbose=not args.quiet, pad_channels=args.pad_channels,
+                  rtol=args.rtol, verbose=args.verbose, pad_channels=args.pad_channels,
                   fuse=args.fuse, model_type=args.model_type, plan=args.plan, save_plan=args.save_plan)
     if args.report:
         write_json(args.report, rep.to_dict())

@@ -39,5 +39,7 @@ def writable(path, what):
 
 
 def default_output(model: str, suffix: str) -> str:
-    """MODEL<suffix> next to the input model (-o left out)."""
-    return os.path.splitext(model)[0] + suffix
+    """-o left out: the model's file name with `suffix` in the current directory, so that
+    nothing is written into the source model's folder (a repository's models/, a read-only
+    mount) unless the user is working there."""
+    return os.path.splitext(os.path.basename(model))[0] + suffix

@@ -176,7 +176,7 @@ def add_train(sub):
                    "no per-node launch cost). Needs a step built with static shapes (train-graph --shapes) whose "
                    "every node runs on CUDA: refused in one line otherwise. Off by default")
     _add_data_parallel(t)
-    add_quiet(t, "no progress line")
+    add_quiet(t, "print nothing but errors (and why nothing was trained, when no step was applied)")
 
 
 
@@ -232,7 +232,8 @@ def step_config(args):
 def train_config(args):
     """The TrainConfig of `graphmp train`'s flags, checked."""
     from ..train.config import TrainConfig
-    return TrainConfig.from_kwargs(resume=not args.no_resume, progress=not args.quiet,
+    from ..progress import shows_progress
+    return TrainConfig.from_kwargs(resume=not args.no_resume, progress=shows_progress(),
                                    **{k: getattr(args, k) for k in TRAIN_FLAGS})
 
 
@@ -331,7 +332,8 @@ def run_train(args) -> int:
         res = train(args.run_dir, args.data, train_config(args), eval_data=args.eval)
     except OSError as e:  # one the driver did not name (a full disk, a folder's permissions): still one line
         raise os_error(e, e.filename or args.run_dir) from None
-    print(format_summary(res.summary))
+    if not args.quiet:
+        print(format_summary(res.summary))
     steps, applied = len(res.history["applied"]), sum(bool(a) for a in res.history["applied"])
     # nothing trained: every step of this call skipped (exit 1, as a failed check, so a script
     # does not take an unchanged model for a trained one); the summary's note says why when
