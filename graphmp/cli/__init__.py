@@ -19,7 +19,7 @@ from ..errors import GraphmpError
 from ..progress import DEBUG, NORMAL, QUIET, native_stdout_to_stderr, set_verbosity
 from ..version import __version__
 from . import bench, build, check, convert, pad, train
-from .help import HelpFormatter
+from .help import HelpFormatter, use_help_style
 
 # One entry per subcommand: name -> (add its parser, run it).
 COMMANDS = {
@@ -53,7 +53,7 @@ def _parser():
     for add, _ in COMMANDS.values():
         add(sub)
     for command in sub.choices.values():  # one help style everywhere: defaults shown, examples kept as written
-        command.formatter_class = HelpFormatter
+        use_help_style(command)
     return p
 
 
@@ -102,6 +102,8 @@ def main(argv=None) -> int:
             return _run(args)
     except Terminated:  # a SIGTERM while the command's own ending ran (torchrun stopping a rank that
         return 143      # has already said its error): the exit code says so, no traceback
+    finally:
+        set_verbosity(None)  # a library call after main() (in the same process) is not a command
 
 
 def _run(args) -> int:

@@ -21,8 +21,10 @@ how precision is chosen:
   their consumers FP32. The report says why every FP32 node is FP32, and what the
   Casts cost per inference.
 
-examples:
-  graphmp convert model.onnx -o model.mp.onnx
+examples (the first two run from a clone of the repository):
+  graphmp convert models/tiny/resnet.onnx -o /tmp/resnet.mp.onnx
+  graphmp convert models/tiny/gpt2.onnx -o /tmp/gpt2.mp.onnx --max-error auto --validate -v
+  graphmp convert model.onnx                      # writes model.mp.onnx in the current directory
   graphmp convert model.onnx -o out.onnx --report report.json --validate
   graphmp convert model.onnx -o out.onnx --calibration batch0.npz batch1.npz
   graphmp convert model.onnx -o out.onnx --fp32-nodes 'head|classifier' --fp32-ops Sigmoid

@@ -13,6 +13,21 @@ def _default_text(default) -> str:
     return str(default)
 
 
+def _worth_saying(action) -> bool:
+    """An option whose default tells the user something (not None, False, empty or a -v count)."""
+    return (bool(action.option_strings) and action.default not in (None, False, (), [], "", argparse.SUPPRESS)
+            and not isinstance(action, argparse._CountAction))
+
+
+def use_help_style(parser: argparse.ArgumentParser) -> None:
+    """`parser` formats its help with HelpFormatter; an option given no help text still shows
+    its default (argparse prints nothing after an option without help)."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if action.help is None and _worth_saying(action):
+            action.help = "default: %(default)s"
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """argparse's formatter with two changes. An option's help ends with "(default: X)"
     where it has a default worth saying (not None, False, an empty value or a -v count) and
@@ -21,12 +36,9 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        default = action.default
-        if (not action.option_strings or default in (None, False, (), [], "", argparse.SUPPRESS)
-                or isinstance(action, argparse._CountAction) or "default" in text.lower()):
+        if not _worth_saying(action) or "default" in text.lower():
             return text
-        shown = _default_text(default).replace("%", "%%")
-        return f"{text} (default: {shown})" if text else f"default: {shown}"
+        return f"{text} (default: {_default_text(action.default).replace('%', '%%')})"
 
     def _fill_text(self, text, width, indent):
         if "\n" in text.strip():

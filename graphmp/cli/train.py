@@ -27,6 +27,7 @@ LSTM/GRU: no gradient rule; each LSTM/GRU node is unrolled into primitive ops ov
   sizes graphmp finds that run); the step graph keeps the free dims free.
 
 examples:
+  graphmp train-graph models/real/mnist_cntk.onnx -o /tmp/mnist-run --force   # from a clone
   graphmp train-graph model.onnx -o run/ --loss cross-entropy --label-shape N --lr 1e-3
   graphmp train-graph model.onnx -o run/ --optimizer sgd --lr 0.1 --momentum 0.9 --loss-scale 1024
   graphmp train-graph model.onnx -o run/ --loss mse --precision fp32 --trainable 'head\\.'
@@ -62,7 +63,9 @@ RUN/loss.csv). When (nearly) every step is skipped for inf/NaN gradients, the pr
 output and summary say why and what to do; exit 1 when no step of the call was applied
 (nothing was trained), else 0.
 
-examples:
+examples (the first two from a clone, after the README's digits data is written):
+  graphmp train-graph models/real/mnist_cntk.onnx -o /tmp/graphmp-tour/run --force
+  graphmp train /tmp/graphmp-tour/run --data /tmp/graphmp-tour/train.npz --epochs 1 --batch-size 16
   graphmp train run/ --data train.npz --epochs 3 --eval eval.npz
   graphmp train run/ --data train.npz --batch-size 64 --checkpoint-every 500 --device cuda
   graphmp train run/ --data train.npz --nproc 2 --batch-size 32 --eval eval.npz   # 2 ranks, global batch 64
@@ -153,10 +156,11 @@ def add_train(sub):
                        epilog=EPILOG_TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("run_dir", help="run folder made by `graphmp train-graph`")
     add_data(t, "training data (see below)", required=True)
-    t.add_argument("--epochs", type=int, default=1)
-    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--epochs", type=int, default=1, help="passes over the training data")
+    t.add_argument("--batch-size", type=int, default=32, help="samples per step (per rank with --nproc)")
     t.add_argument("--eval", metavar="NPZ", help="eval data, same layout; evaluated after every epoch")
-    t.add_argument("--checkpoint-every", type=int, default=100, metavar="STEPS")
+    t.add_argument("--checkpoint-every", type=int, default=100, metavar="STEPS",
+                   help="write a checkpoint every STEPS steps, and always at the end (0: only at the end)")
     t.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint and start over")
     add_seed(t, "shuffling seed")
     t.add_argument("--max-steps", type=int, help="stop after this many steps in total")
@@ -206,7 +210,9 @@ def add_export(sub):
     e = sub.add_parser("export", help="write an inference model holding the trained weights",
                        description="Write the source model with the run's latest trained weights and BatchNorm "
                        "running statistics (FP32), or converted to mixed precision with --mixed. Weights the "
-                       "source model stored as Constant nodes are written back as Constant nodes.")
+                       "source model stored as Constant nodes are written back as Constant nodes.",
+                       epilog="example (from a clone, after the train-graph and train examples of `graphmp train "
+                       "--help`):\n  graphmp export /tmp/graphmp-tour/run -o /tmp/digits.mp.onnx --mixed\n")
     e.add_argument("run_dir", help="run folder made by `graphmp train-graph` (and trained)")
     add_output(e, "output .onnx", required=True)
     e.add_argument("--mixed", action="store_true", help="convert to mixed precision (as `graphmp convert`)")
