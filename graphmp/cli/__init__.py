@@ -38,7 +38,8 @@ EPILOG = """\
 every command takes -q (errors only) and -v / -vv (steps and timings / per-node decisions
 on stderr); `graphmp COMMAND --help` shows its options with their defaults.
 
-examples (from a clone of the repository):
+examples:
+  # from a clone of the repository
   graphmp convert models/tiny/resnet.onnx -o /tmp/resnet.mp.onnx
   graphmp check models/tiny/resnet.onnx /tmp/resnet.mp.onnx
   python -m graphmp convert models/tiny/resnet.onnx -o /tmp/resnet.mp.onnx -v

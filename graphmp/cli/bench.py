@@ -38,7 +38,8 @@ accuracy, per output: err = max|a-b| / max|ref| (normalised: near-zero reference
   err <= max(--max-error, --tf32-factor x TF32 err, --tf32-factor x the FP16-input floor:
   the FP32 source with only its inputs rounded to FP16), the yardstick of graphmp check.
 
-examples (the first runs from a clone of the repository, on the CPU):
+examples:
+  # the first runs from a clone of the repository, on the CPU
   graphmp bench models/tiny/resnet.onnx --backends ort-cpu --iterations 10 --min-time 0.1
   graphmp bench model.onnx                                    # all backends, batch 1
   graphmp bench model.onnx --backends ort-cuda,trt --batch 1,8,32 --json out.json --plot out.png

@@ -11,7 +11,8 @@ EPILOG_CHECK = """\
 exit codes: 0 every output within its budget; 1 a FAIL (invalid model, new inf/NaN, an
 output over budget); 2 a usage or input error.
 
-examples (the first two run from a clone, after graphmp convert wrote /tmp/resnet.mp.onnx):
+examples:
+  # the first two run from a clone, after graphmp convert wrote /tmp/resnet.mp.onnx
   graphmp check models/tiny/resnet.onnx /tmp/resnet.mp.onnx
   graphmp check models/tiny/resnet.onnx /tmp/resnet.mp.onnx --max-error 1e-5 --json /tmp/resnet.check.json  # FAIL: exit 1
   graphmp check model.onnx model.mp.onnx --data batch0.npz batch1.npz --metric argmax

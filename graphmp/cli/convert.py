@@ -21,7 +21,8 @@ how precision is chosen:
   their consumers FP32. The report says why every FP32 node is FP32, and what the
   Casts cost per inference.
 
-examples (the first two run from a clone of the repository):
+examples:
+  # the first two run from a clone of the repository
   graphmp convert models/tiny/resnet.onnx -o /tmp/resnet.mp.onnx
   graphmp convert models/tiny/gpt2.onnx -o /tmp/gpt2.mp.onnx --max-error auto --validate -v
   graphmp convert model.onnx                      # writes model.mp.onnx in the current directory

@@ -20,7 +20,8 @@ what is padded (with zero weights, so outputs are unchanged):
   --max-overhead stay as they are; the report says why, and which layers could only be
   aligned by a runtime Pad copy.
 
-examples (the first runs from a clone of the repository):
+examples:
+  # the first runs from a clone of the repository
   graphmp pad models/real/ultraface_rfb640.onnx -o /tmp/ultraface.pad.onnx --validate
   graphmp pad model.onnx -o model.pad.onnx                      # multiples of 8
   graphmp pad model.onnx -o out.onnx --multiple 64 --validate    # A100/H100 tiles, checked

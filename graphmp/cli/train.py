@@ -63,7 +63,8 @@ RUN/loss.csv). When (nearly) every step is skipped for inf/NaN gradients, the pr
 output and summary say why and what to do; exit 1 when no step of the call was applied
 (nothing was trained), else 0.
 
-examples (the first two from a clone, after the README's digits data is written):
+examples:
+  # the first two from a clone, after the README's digits data is written
   graphmp train-graph models/real/mnist_cntk.onnx -o /tmp/graphmp-tour/run --force
   graphmp train /tmp/graphmp-tour/run --data /tmp/graphmp-tour/train.npz --epochs 1 --batch-size 16
   graphmp train run/ --data train.npz --epochs 3 --eval eval.npz
