@@ -68,12 +68,13 @@ def says_results() -> bool:
 
 
 @contextlib.contextmanager
-def native_stdout_to_stderr():
-    """While the block runs, what C/C++ libraries (onnx's shape inference, ONNX Runtime,
-    TensorRT) write straight to file descriptor 1 goes to stderr: stdout holds graphmp's
-    result (a summary or table that scripts read). Python's sys.stdout keeps writing to
-    the real stdout. Does nothing where sys.stdout is not file descriptor 1 (a test's
-    capture, an embedding application)."""
+def native_stdout_to_stderr(shown: bool = True):
+    """While the block runs, what C/C++ libraries (onnx's checker and shape inference: "Warning:
+    Model contains experimental ops", which the summary says again) write straight to file
+    descriptor 1 goes to stderr, or nowhere when not `shown`: stdout holds graphmp's result
+    (a summary or table that scripts read). Python's sys.stdout keeps writing to the real
+    stdout. Does nothing where sys.stdout is not file descriptor 1 (a test's capture, an
+    embedding application)."""
     try:
         redirect = sys.stdout.fileno() == 1 and sys.stderr.fileno() == 2
     except (AttributeError, OSError, ValueError):
@@ -84,7 +85,12 @@ def native_stdout_to_stderr():
     python_stdout = sys.stdout
     python_stdout.flush()
     real = os.dup(1)
-    os.dup2(2, 1)
+    if shown:
+        os.dup2(2, 1)
+    else:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
     sys.stdout = io.TextIOWrapper(os.fdopen(real, "wb", closefd=False),
                                   encoding=getattr(python_stdout, "encoding", None) or "utf-8",
                                   errors=getattr(python_stdout, "errors", None),

@@ -102,15 +102,30 @@ def test_a_short_phase_draws_nothing_a_long_one_draws_and_closes():
 
 def test_native_stdout_goes_to_stderr_while_a_command_runs():
     """onnx's and ORT's C++ code print straight to file descriptor 1; during a command it is
-    stderr, while graphmp's own print still reaches stdout."""
-    code = ("import os; from graphmp.progress import native_stdout_to_stderr\n"
-            "with native_stdout_to_stderr():\n"
+    stderr (shown) or nowhere, while graphmp's own print still reaches stdout."""
+    code = ("import os, sys; from graphmp.progress import native_stdout_to_stderr\n"
+            "with native_stdout_to_stderr(shown=sys.argv[1] == 'shown'):\n"
             "    os.write(1, b'native warning\\n'); print('result')\n"
             "print('after')\n"
             "os.write(1, b'native after\\n')\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout == "result\nafter\nnative after\n" and r.stderr == "native warning\n"
+    for shown in ("shown", "hidden"):
+        r = subprocess.run([sys.executable, "-c", code, shown], capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == "result\nafter\nnative after\n"
+        assert r.stderr == ("native warning\n" if shown == "shown" else "")
+
+
+def test_onnx_cpp_warning_is_not_on_stdout(tmp_path):
+    """style_mosaic's experimental ops make onnx's C++ checker print a warning on stdout
+    (which the summary's "rewritten" line already says): off by default, on stderr with -v."""
+    model = os.path.join(ROOT, "models", "real", "style_mosaic.onnx")
+    for extra, on_stderr in (([], False), (["-v"], True)):
+        r = _graphmp("convert", model, "-o", str(tmp_path / "s.onnx"), "--no-calibration", "--island-trials", "0",
+                     *extra)
+        assert r.returncode == 0, r.stderr
+        assert "Warning:" not in r.stdout
+        assert ("Warning: Model contains experimental ops" in r.stderr) is on_stderr
+        assert r.stdout.count("rewritten (experimental ops") == 1
 
 
 def test_python_dash_m_graphmp_works():

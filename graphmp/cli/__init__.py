@@ -71,9 +71,12 @@ def _set_verbosity(args) -> None:
 
 
 def _native_output(args):
-    """C/C++ libraries' prints go to stderr while a command runs; not around `train`, whose
-    --nproc launcher hands its stdout to the ranks it starts."""
-    return contextlib.nullcontext() if args.cmd == "train" else native_stdout_to_stderr()
+    """What C/C++ libraries print to stdout goes to stderr with -v, nowhere otherwise (onnx's
+    warnings repeat what the summary says); not around `train`, whose --nproc launcher hands
+    its stdout to the ranks it starts."""
+    if args.cmd == "train":
+        return contextlib.nullcontext()
+    return native_stdout_to_stderr(shown=getattr(args, "verbose", 0) > 0)
 
 
 def _one_line(text: str) -> str:
