@@ -195,6 +195,14 @@ def test_without_o_nothing_is_written_into_the_source_models_folder(tmp_path, mo
     assert main(["pad", str(src), "-q"]) == 0
     assert sorted(os.listdir(src.parent)) == ["m.onnx"]
     assert sorted(os.listdir(work)) == ["m.mp.onnx", "m.pad.onnx"]
+    # a second run does not replace a file the user never named: one line, asking for -o
+    before = (work / "m.mp.onnx").read_bytes()
+    capsys.readouterr()
+    assert main(["convert", str(src), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "m.mp.onnx exists" in err and "give -o m.mp.onnx" in err
+    assert (work / "m.mp.onnx").read_bytes() == before
+    assert main(["convert", str(src), "-o", "m.mp.onnx", "-q"]) == 0
     assert "in the current directory" in _option_help(_help("convert"), "-o OUTPUT, --output OUTPUT")
 
 
@@ -214,3 +222,19 @@ def test_same_file_error_reads_well(tmp_path, capsys):
     shutil.copy(MNIST, src)
     assert main(["convert", str(src), "-o", str(src)]) == 2
     assert "Choose another path for the output (-o)" in capsys.readouterr().err
+
+
+def test_train_graph_train_and_export_quiet_print_nothing_on_success(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    run, data = str(tmp_path / "run"), str(tmp_path / "d.npz")
+    np.savez(data, Input3=rng.standard_normal((3, 1, 28, 28)).astype(np.float32), labels=rng.integers(0, 10, 3))
+    assert main(["train-graph", MNIST, "-o", run, "--precision", "fp32", "-q"]) == 0
+    assert main(["train", run, "--data", data, "--batch-size", "1", "--max-steps", "2", "--device", "cpu",
+                 "--checkpoint-every", "0", "-q"]) == 0
+    assert main(["export", run, "-o", str(tmp_path / "e.onnx"), "-q"]) == 0
+    got = capsys.readouterr()
+    assert got.out == "" and got.err == "", got
+    assert main(["train", run, "--data", data, "--batch-size", "1", "--max-steps", "3", "--device", "cpu",
+                 "--checkpoint-every", "0"]) == 0   # resumes: one more step, and its summary
+    got = capsys.readouterr()
+    assert got.out.startswith("steps: ") and got.err == "", got

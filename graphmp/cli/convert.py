@@ -68,7 +68,7 @@ def add(sub):
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("model", help="input FP32 .onnx model (external data is read from its folder)")
     add_output(c, "output .onnx (default: MODEL.mp.onnx in the current directory, MODEL being the input's file "
-               "name without .onnx)")
+               "name without .onnx; refused when that file exists)")
     c.add_argument("--target", choices=["fp16", "bf16"], default="fp16", help="low-precision type (default fp16)")
     c.add_argument("--keep-io-types", dest="keep_io_types", action="store_true", default=True,
                    help="graph inputs/outputs keep their FP32 types (default)")
