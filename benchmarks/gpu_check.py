@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -250,9 +251,33 @@ def train(args, out) -> dict:
         res["targets"] = d.get("targets", [])
     except (OSError, ValueError, KeyError):
         res.update(passed=False, rows=[], error=_tail(log) or f"exit {rc}")
+    rising = loss_failures(res["rows"])
+    if rising:
+        res.update(passed=False, error="; ".join(rising))
     if rc and "error" not in res:
         res["error"] = _tail(log)
     return res
+
+
+# a row's loss may end at most this much above where it started (each row trains on one fixed
+# batch, so its loss falls; noise of a few steps stays well under 2%)
+LOSS_RISE_TOLERANCE = 0.02
+
+
+def loss_failures(rows: list) -> list:
+    """The rows whose training did not work: a loss that is not finite, or that rose over the
+    row's steps on its fixed batch. One string per failed row (model, engine, precision, losses)."""
+    bad = []
+    for r in rows:
+        first, last = r.get("loss_first"), r.get("loss_last")
+        if first is None or last is None:
+            continue  # a row that did not run: its error says why
+        name = f"{r.get('model')} {r.get('engine')} {r.get('precision')}"
+        if not (math.isfinite(first) and math.isfinite(last)):
+            bad.append(f"{name}: loss {first:.4g} -> {last:.4g} is not finite")
+        elif last > first * (1 + LOSS_RISE_TOLERANCE):
+            bad.append(f"{name}: loss rose {first:.4g} -> {last:.4g} on a fixed batch")
+    return bad
 
 
 def gpu_tests(args, out) -> dict:

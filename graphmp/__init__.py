@@ -2,11 +2,17 @@
 
     graphmp.convert("model.onnx", "model.mp.onnx")   # mixed precision, with a report
     graphmp.check("model.onnx", "model.mp.onnx")     # FP16-faithful accuracy check
+    graphmp.pad("model.onnx", "model.pad.onnx")      # channels and GEMM dims to multiples of 8
+    graphmp.inspect("model.mp.onnx")                 # FLOPs by precision, Casts, FP32 nodes (any model)
     graphmp.bench("model.onnx").table()              # FP32 vs TF32 vs mixed FP16: speed and accuracy
-    graphmp.session("model.mp.onnx")                  # ONNX Runtime session with the options that suit it
+    graphmp.session("model.mp.onnx")                 # ONNX Runtime session with the options that suit it
+    graphmp.build_step("model.onnx", "run", loss="cross-entropy")   # one loss-scaled training step graph
+    graphmp.train("run", "train.npz", epochs=2)      # run it on ONNX Runtime (graphmp.train is also the package)
+    graphmp.export("run", "trained.onnx")            # the trained inference model
 
-The public names are imported on first use (PEP 562), so `import graphmp` and
-`graphmp --help` start without loading onnx, ONNX Runtime or the benchmark code.
+docs/api.md describes each. The public names are imported on first use (PEP 562), so
+`import graphmp` and `graphmp --help` start without loading onnx, ONNX Runtime or the
+benchmark code.
 """
 from __future__ import annotations
 
@@ -23,17 +29,23 @@ _LAZY = {
     "bench": ".bench", "BenchResult": ".bench",      # TensorRT/torch are imported only when used
     "build_engine": ".trt", "BuildResult": ".trt",
     "session": ".session",
+    "pad": ".pad", "PadReport": ".pad",
+    "inspect": ".inspect", "InspectReport": ".inspect",
+    "build_step": ".train.step", "export": ".train.loop",
+    "train": None,          # the subpackage graphmp.train, callable as graphmp.train.loop.train
 }
 
-__all__ = ["convert", "check", "bench", "build_engine", "session", "ConvertReport", "CheckReport", "BenchResult",
-           "BuildResult", "GraphmpError", "__version__"]
+__all__ = ["convert", "check", "pad", "inspect", "bench", "build_engine", "session", "build_step", "train", "export",
+           "ConvertReport", "CheckReport", "PadReport", "InspectReport", "BenchResult", "BuildResult", "GraphmpError",
+           "__version__"]
 
 
 def __getattr__(name):
-    mod = _LAZY.get(name)
-    if mod is None:
+    if name not in _LAZY:
         raise AttributeError(f"module 'graphmp' has no attribute '{name}'")
-    value = getattr(importlib.import_module(mod, __name__), name)
+    mod = _LAZY[name]
+    value = importlib.import_module(f".{name}", __name__) if mod is None else getattr(
+        importlib.import_module(mod, __name__), name)
     globals()[name] = value
     return value
 
@@ -43,11 +55,11 @@ def __dir__():
 
 
 class _Package(types.ModuleType):
-    """Importing the submodule graphmp.check (or .convert, .bench) binds it to the package
-    attribute of the same name; the public API there is the function, so keep that."""
+    """Importing the submodule graphmp.check (or .convert, .pad, .inspect, ...) binds it to the
+    package attribute of the same name; the public API there is the function, so keep that."""
 
     def __setattr__(self, name, value):
-        if name in ("convert", "check", "bench", "session") and isinstance(value, types.ModuleType):
+        if name in ("convert", "check", "bench", "session", "pad", "inspect") and isinstance(value, types.ModuleType):
             return
         super().__setattr__(name, value)
 

@@ -172,6 +172,22 @@ def cast_traffic(model, batch=None, casts_added: int | None = None, measure: boo
     return out
 
 
+def infer_facts(model, in_shapes: dict, concrete: bool = True) -> tuple["_Facts", str | None]:
+    """(what the shape-inferred weightless skeleton says of every tensor of `model` with its
+    graph inputs at `in_shapes` ({input: dims}, None for an unknown dim), None or the
+    inference error). concrete: every main-graph input dim is known (else figures that
+    need one are unavailable). For callers outside this module (graphmp.inspect)."""
+    skel, error = _infer(model, in_shapes)
+    return _Facts(skel, concrete), error
+
+
+def cast_fields(facts: "_Facts", inferred: bool) -> dict:
+    """The Cast fields of cast_traffic's entry (count, bytes total/boundary/inside, MB per
+    inference, the largest Casts) from infer_facts' result."""
+    casts, approximate, unavailable = _cast_entries(facts)
+    return _traffic(casts, approximate, unavailable, inferred)
+
+
 def _run_sizes(model, batch: dict, names: list, types: dict) -> dict:
     """{tensor: dims} of main-graph tensors `names`, from one ONNX Runtime run on `batch`
     with them exposed as outputs ({} where ONNX Runtime cannot run the model)."""

@@ -20,8 +20,8 @@ from .budget import DEFAULT
 from .cast_cost import cast_traffic, summary_line as cast_summary_line
 from .context import Ctx, Options
 from .errors import GraphmpError
-from .model_io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model,
-                 tensor_nbytes)
+from .model_io import (CONVERT_MARK, REASON_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes,
+                       open_model, tensor_nbytes)
 from .save import save_model
 from .wire import is_self_reference
 from .passes import (PassResult, Step, apply, calibrate, checking, classify, fuse, islands, legalize, paint,
@@ -435,6 +435,7 @@ def _report_nodes(ctx):
             counts["fp32"] += 1
             fp32_nodes.append({"name": n.name, "op_type": n.op_type, "graph": g.key,
                                "reason": info.reason or "stays in its FP32 region (an FP32 operand, or no fp16 neighbour)"})
+            _record_reason(n.proto, fp32_nodes[-1]["reason"])
     ctx.report["nodes"] = {"low": counts["low"], "fp32": counts["fp32"], "other": counts["other"],
                            "source_low": counts["source_low"],
                            "total": counts["low"] + counts["fp32"] + counts["other"]}
@@ -449,6 +450,14 @@ def _report_nodes(ctx):
         ctx.warn(f"nothing was converted: all {counts['fp32']} float nodes stay FP32 ({why}), so the output "
                  f"computes as the source does; --fp16-nodes REGEX forces nodes to {ctx.options.target.upper()} "
                  "where the op has a low-precision form")
+
+
+def _record_reason(proto, reason: str) -> None:
+    """Why the node stays FP32, as one REASON_MARK line of its doc_string in the output
+    (`graphmp inspect` reads it back from any model graphmp wrote); the exporter's own
+    doc text is kept, a previous graphmp line replaced."""
+    kept = [line for line in proto.doc_string.splitlines() if not line.startswith(REASON_MARK)]
+    proto.doc_string = "\n".join(kept + [REASON_MARK + " ".join(reason.split())])
 
 
 def _range_rule(ctx, fp32_nodes) -> dict:

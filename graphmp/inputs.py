@@ -432,6 +432,20 @@ def find_shapes(model: onnx.ModelProto, run, given=None, *, where: str = "<model
     return InputPlan(specs, layout.shapes_for(found), f"found by {n} trial run{'s' if n > 1 else ''}", hints, dims, n)
 
 
+def first_guess(model: onnx.ModelProto, given=None, *, where: str = "<model>") -> tuple[dict, list]:
+    """Shapes without a run: ({input: shape}, [(dim key, role, size)]): every dim that the
+    model and --shapes (`given`) leave free at the first size find_shapes would try for its
+    role (a named dim takes one size for every input that names it). For figures that need
+    plausible sizes, not sizes that are known to run (graphmp inspect)."""
+    specs = input_specs(model)
+    given = parse_shapes(given)
+    check_shapes(specs, given, where)
+    layout = _Layout(specs, given, _fixed_dims(specs, given, where))
+    vars_ = _free_dims(layout, metadata_sizes(model))
+    base = {v.key: v.candidates[0] for v in vars_}
+    return layout.shapes_for(base), [(v.key, v.role, base[v.key]) for v in vars_]
+
+
 def _fixed_dims(specs: list[Spec], given: dict, where: str) -> dict:
     """{named dim: size} that --shapes (`given`, parsed) fixes by giving an input that
     names it; a GraphmpError when --shapes gives one named dim two sizes."""

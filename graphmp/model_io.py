@@ -190,6 +190,9 @@ def check_writable(out_path: str, src_path: str | None, what: str = "output", in
 
 
 CONVERT_MARK = "graphmp:convert-to:"
+# A line of a node's doc_string in a converted model: why convert kept the node FP32
+# (graphmp.convert writes it, graphmp.inspect reads it back; the exporter's doc text is kept).
+REASON_MARK = "graphmp: FP32: "
 
 
 def open_model(src, dst=None, by_reference: bool = False):

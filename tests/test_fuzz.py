@@ -993,10 +993,12 @@ COMMANDS = {
     "pad": "pad {m} -o {o}/o.onnx",
     "check": "check {ref} {conv}",
     "train-graph": "train-graph {m} -o {o}/run --loss mse",
+    "inspect": "inspect {m}",
     # the output next to the input: it must never replace (or clean up) an input file
     "convert-beside": "convert {m} -o {md}/o.onnx -q --no-calibration --external-data",
     "pad-beside": "pad {m} -o {md}/o.onnx --external-data",
 }
+WRITE_NOTHING = ("check", "inspect")  # commands whose success writes no model
 BESIDE_OUTPUT = "o.onnx"  # beside the input, new files named o.onnx* are the outputs (o.onnx.data, ...)
 
 
@@ -1309,7 +1311,7 @@ def run_example(base: str, muts, command: str, mutate_ref: bool = True) -> tuple
             out.add("traceback-in-stderr", out.stderr.strip()[-600:])
         elif out.rc == 0:
             models = [p for p in written() if p.endswith(".onnx")]
-            if command != "check" and not models:
+            if command not in WRITE_NOTHING and not models:
                 out.add("no-output", "exit 0 but no model was written")
             for p in models:
                 why = _check_model_file(p, src_full, src_loads)
@@ -1520,6 +1522,15 @@ def test_fuzz_train_graph(ex):
 
 
 @settings(max_examples=_n(0.1), **SETTINGS)
+@given(ex=EXAMPLE)
+def test_fuzz_inspect(ex):
+    """inspect reads the mutated model: one line and exit 2, or a report; never a read
+    outside the model's folder."""
+    base, muts = ex
+    check_example(base, muts, "inspect")
+
+
+@settings(max_examples=_n(0.1), **SETTINGS)
 @given(base=st.sampled_from(BASE_NAMES), name=st.sampled_from(DATA_NAMES),
        muts=st.lists(mutation_strategy(), max_size=2), command=st.sampled_from(["convert-beside", "pad-beside"]))
 def test_fuzz_output_beside_the_input(base, name, muts, command):
@@ -1529,7 +1540,7 @@ def test_fuzz_output_beside_the_input(base, name, muts, command):
 
 
 SWEEP_COMMANDS = ["convert-fast"] * 6 + ["convert-fast-ext", "convert", "pad", "pad", "check", "train-graph",
-                                         "convert-beside", "pad-beside"]
+                                         "convert-beside", "pad-beside", "inspect"]
 
 
 def test_fuzz_sweep_all_failure_classes():

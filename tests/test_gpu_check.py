@@ -61,8 +61,18 @@ def test_dry_run_end_to_end(tmp_path):
     # train: both precisions ran, on the CPU, and say so
     assert {(r["engine"], r["precision"]) for r in res["train"]["rows"]} == {("ort-cpu", "fp32"), ("ort-cpu", "mixed")}
     assert all(r["ran_on"] == "CPUExecutionProvider" and r["median_ms"] > 0 for r in res["train"]["rows"])
+    assert all(r["loss_last"] < r["loss_first"] for r in res["train"]["rows"]), res["train"]["rows"]
     assert "deselected" in res["tests"]["summary"]  # pytest -m gpu ran (its tests skip without a GPU)
     assert (out / "gpu_check.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_training_row_whose_loss_rises_or_is_not_finite_fails_the_check():
+    row = {"model": "tiny-cnn", "engine": "ort-cpu", "precision": "fp32"}
+    assert gpu_check.loss_failures([dict(row, loss_first=1.59, loss_last=1.49)]) == []
+    rose = gpu_check.loss_failures([dict(row, loss_first=1.59, loss_last=9.09)])
+    assert len(rose) == 1 and "rose 1.59 -> 9.09" in rose[0] and "tiny-cnn ort-cpu fp32" in rose[0]
+    assert "not finite" in gpu_check.loss_failures([dict(row, loss_first=1.59, loss_last=float("nan"))])[0]
+    assert gpu_check.loss_failures([dict(row, loss_first=None, loss_last=None)]) == []  # did not run
 
 
 def _wheel(path):

@@ -1,5 +1,5 @@
-"""The `graphmp` command: a thin layer over the Python API (convert, check, pad, train,
-build, bench).
+"""The `graphmp` command: a thin layer over the Python API (convert, check, pad, inspect,
+train, build, bench).
 
 One module per subcommand (or family): each has `add(sub)`, which builds its subparser,
 and `run(args)`, which calls the API and returns the exit code; `args` holds the options
@@ -18,7 +18,7 @@ import threading
 from ..errors import GraphmpError
 from ..progress import DEBUG, NORMAL, QUIET, native_stdout_to_stderr, set_verbosity
 from ..version import __version__
-from . import bench, build, check, convert, pad, train
+from . import bench, build, check, convert, inspect, pad, train
 from .help import HelpFormatter, use_help_style
 
 # One entry per subcommand: name -> (add its parser, run it).
@@ -26,6 +26,7 @@ COMMANDS = {
     "convert": (convert.add, convert.run),
     "check": (check.add, check.run),
     "pad": (pad.add, pad.run),
+    "inspect": (inspect.add, inspect.run),
     "train-graph": (train.add_train_graph, train.run_train_graph),
     "train": (train.add_train, train.run_train),
     "export": (train.add_export, train.run_export),

@@ -301,7 +301,8 @@ def run_train_parallel(args) -> int:
     """--nproc N here: start N ranks running this command; under torchrun: this rank's part."""
     import shlex
     from ..errors import GraphmpError
-    from ..train.distributed import DistOptions, launch, train_ranks, under_torchrun
+    from ..train.distributed import DistOptions, check_resumable, launch, train_ranks, under_torchrun
+    from ..train.runfiles import started_over_note
     if args.threads is not None:  # the ranks split the cores themselves (distributed.py)
         raise GraphmpError("--threads is for one process; with --nproc each rank takes cores / N threads "
                            "(leave --threads out)")
@@ -312,6 +313,11 @@ def run_train_parallel(args) -> int:
             raise GraphmpError(f"--nproc must be at least 1, not {args.nproc}")
         if args.max_restarts < 0:
             raise GraphmpError(f"--max-restarts must be at least 0, not {args.max_restarts}")
+        # before any rank starts: a run folder that cannot be resumed by this job is one line, once
+        check_resumable(args.run_dir, args.nproc, args.batch_size, not args.no_resume)
+        note = started_over_note(args.run_dir, not args.no_resume)
+        if note and not args.quiet:
+            print(note, file=sys.stderr)
         return launch(_without_nproc(shlex.split(args.command_line)[1:]), args.nproc, args.max_restarts)
     opts = DistOptions(timeout_s=args.dist_timeout, backend=args.dist_backend, sync_bn=args.sync_bn,
                        eval_data=args.eval)
@@ -326,6 +332,10 @@ def run_train_parallel(args) -> int:
         print(f"{args.run_dir}: {summary['steps']} data-parallel steps on {summary['world_size']} ranks (global batch "
               f"{summary['global_batch']}{window}), {summary['skipped']} skipped; last loss {summary['last_loss']:.6g}; "
               f"{summary['seconds']:.1f} s")
+        backoff = summary.get("first_step_backoff")
+        if backoff:
+            print(f"first step: loss scale backed off {backoff['from_scale']:g} -> {backoff['to_scale']:g} on the "
+                  f"first window ({backoff['tries']} retried step(s), not counted as skipped)")
     return 0
 
 

@@ -2,6 +2,7 @@
 
     config.py     StepConfig / TrainConfig: the options of build_step() and train(), checked by from_kwargs
     step.py       build_step(): forward + loss + backward + loss scaling + optimizer = one step graph, in phases
+    weight_checks.py  checks of the weights build_step() selects (AdamW lr vs small weights, integer weights)
     builder.py    graph-building helpers shared by step/losses/optim/source (unique names, pruning, lifting)
     source.py     the source model before the step: Constant weights lifted, tied/shared/frozen params reported
     rnn.py        decompose_recurrent(): LSTM/GRU unrolled into primitive ops that have gradient rules
@@ -17,6 +18,7 @@
     rules/        one gradient rule per ONNX op, a module per family (docs/training_ops.md lists them);
                   rules/conv_gemm.py writes convolution weight gradients as GEMMs
     loop.py       train() / export(): run the step graph on ONNX Runtime, checkpoints, eval, summary
+    first_step.py FirstStepSearch: a dynamic loss scale backs off within the run's first step
     runner.py     StepRunner: one step per call, state packed into the flat buffers, fixed bindings on CUDA
     data.py       training/eval data: .npz or batch iterables, batching, label and NaN/inf checks before use
     device.py     which ONNX Runtime providers a run asks for, and a check that it got them
@@ -31,11 +33,15 @@
     build_step("model.onnx", "run", StepConfig.from_kwargs(optimizer="sgd", lr=0.1))   # or the same keywords
     train("run", "train.npz", TrainConfig.from_kwargs(epochs=3), eval_data="eval.npz")
 
+The package itself is callable as loop.train, so that the top-level API reads
+graphmp.train("run", "train.npz", epochs=3) while graphmp.train.step & co stay importable.
 The public names are imported on first use (PEP 562), as graphmp's are.
 """
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 _LAZY = {"StepConfig": ".config", "TrainConfig": ".config", "build_step": ".step", "train": ".loop",
          "export": ".loop", "evaluate": ".loop"}
@@ -50,3 +56,14 @@ def __getattr__(name):
     value = getattr(importlib.import_module(mod, __name__), name)
     globals()[name] = value
     return value
+
+
+class _CallablePackage(types.ModuleType):
+    """graphmp.train(...) is graphmp.train.loop.train(...) (see the module docstring)."""
+
+    def __call__(self, run_dir, data, config=None, **options):
+        from .loop import train
+        return train(run_dir, data, config, **options)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

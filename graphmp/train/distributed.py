@@ -41,6 +41,8 @@ import numpy as np
 from ..errors import GraphmpError, first_line
 from ..progress import says_results
 from .flat import graph_state_names, pack, unpack
+from .first_step import FirstStepSearch
+from .step import SCALE
 
 DEFAULT_TIMEOUT_S = 60.0
 EXTRA = "pip install 'graphmp[dist]'"
@@ -242,22 +244,38 @@ def _evaluate(job: _Rank, state: dict) -> dict:
     return out
 
 
+def check_resumable(run_dir, n: int, batch_size: int, resume: bool) -> dict | None:
+    """The run's checkpoint info when this job resumes from it (None: it starts from the initial
+    state). A checkpoint made by another world size or batch size would change the data order:
+    a GraphmpError saying how to resume or start over. The launcher calls it before starting any
+    rank, so the mismatch is one line, said once."""
+    from .runfiles import read_checkpoint
+    if not resume:
+        return None
+    ck = read_checkpoint(os.fspath(run_dir))[0]
+    if ck is None:
+        return None
+    was = (ck.get("setup") or {}).get("world_size", 1), (ck.get("setup") or {}).get("batch_size")
+    if was != (n, batch_size):
+        raise GraphmpError(f"{run_dir}: the checkpoint was made by {was[0]} rank(s) x batch {was[1]}, this job is "
+                           f"{n} x {batch_size}: the data order would differ. Resume with --nproc {was[0]} "
+                           f"--batch-size {was[1]}, or start over with --no-resume.")
+    return ck
+
+
 def _start(run_dir: str, meta: dict, rank: int, n: int, c) -> tuple[dict, dict]:
     """The state to start from (the checkpoint, on every rank, when one exists and resume is
-    on) and the position (step, epoch) in the data order the global step defines."""
+    on) and the position (step, epoch) in the data order the global step defines, with the
+    run's loss so far ("train_loss", for loss.png)."""
     from .loop import latest_state
     from .runfiles import run_file
     from ..model_io import load_npz
-    state, ck = latest_state(run_dir) if c.resume else (load_npz(run_file(run_dir, meta, "initial_state")), None)
+    ck = check_resumable(run_dir, n, c.batch_size, c.resume)
+    state, ck = latest_state(run_dir) if ck is not None else (load_npz(run_file(run_dir, meta, "initial_state")), None)
     pos = {"step": 0, "epoch": 0, "position": 0}
     if ck is not None:
-        was = (ck.get("setup") or {}).get("world_size", 1), (ck.get("setup") or {}).get("batch_size")
-        if was != (n, c.batch_size):
-            raise GraphmpError(f"{run_dir}: the checkpoint was made by {was[0]} rank(s) x batch {was[1]}, this job is "
-                               f"{n} x {c.batch_size}: the data order would differ. Resume with --nproc {was[0]} "
-                               f"--batch-size {was[1]}, or start over with --no-resume.")
         pos = {k: ck[k] for k in pos}
-    return state, pos
+    return state, dict(pos, train_loss=list(ck.get("train_loss", [])) if ck else [])
 
 
 def train_ranks(run_dir, data, c, opts: DistOptions = DistOptions()) -> dict | None:
@@ -298,8 +316,12 @@ class _Loop:
         self.step, self.epoch, self.i = pos["step"], pos["epoch"], pos["position"]
         self.info = pos["info"]
         self.losses, self.skipped, self.evals = [], 0, []
+        self.run_loss = list(pos["train_loss"])  # the whole run's, checkpointed and plotted
         self.times = {"compute": 0.0, "all_reduce": 0.0, "update": 0.0}
         self.reductions, self.step_seconds = 0, []
+        # a fresh run retries a skipped first window at the backed-off scale (first_step.py); every
+        # rank sees the same all-reduced finite flag, so every rank retries the same windows
+        self.first_step = FirstStepSearch.for_run(job.meta["config"], job.meta["dynamic_scale"], self.step)
         self.setup = {"batch_size": c.batch_size, "seed": c.seed, "drop_last": True,
                       "samples": job.shards.src.n, "world_size": job.n}
 
@@ -322,6 +344,14 @@ class _Loop:
                 self.epoch, self.i = self.epoch + 1, 0
         return batches
 
+    def _dp_step(self, batches: list) -> tuple[float, bool, float]:
+        """One window's optimizer step; (loss, applied, loss scale after it)."""
+        from .dp_step import dp_step
+        loss, applied = dp_step(self.job.halves, self._reduce, self.job.n, batches, self.state, self.times,
+                                self.opts.sync_bn)
+        scale = self.state.now.get(SCALE)
+        return loss, applied, float(scale.numpy()) if scale is not None else float("nan")
+
     def _checkpoint(self) -> None:
         """Rank 0 writes; the weights are the same on every rank (BN statistics: rank 0's,
         or the ranks' mean with sync_bn)."""
@@ -329,10 +359,9 @@ class _Loop:
         if self.job.rank == 0:
             save_checkpoint(self.job.run_dir, unpack(self.job.meta, self.state.numpy()),
                             {"step": self.step, "epoch": self.epoch, "position": self.i, "skipped": self.skipped,
-                             "setup": self.setup}, self.losses)
+                             "setup": self.setup}, self.run_loss)
 
     def run(self) -> dict | None:
-        from .dp_step import dp_step
         c, job, t0 = self.c, self.job, time.perf_counter()
         every = c.checkpoint_every
         while True:
@@ -341,9 +370,10 @@ class _Loop:
             if batches is None:
                 break
             t_step = time.perf_counter()
-            loss, applied = dp_step(job.halves, self._reduce, job.n, batches, self.state, self.times, self.opts.sync_bn)
+            loss, applied, _ = self.first_step.run(lambda: self._dp_step(batches))
             self.step_seconds.append(time.perf_counter() - t_step)
             self.losses.append(loss)
+            self.run_loss.append(loss)
             self.skipped += not applied
             if job.evaluator is not None and self.epoch != epoch:
                 self.evals.append(dict(_evaluate(job, unpack(job.meta, self.state.numpy())), epoch=self.epoch,
@@ -356,7 +386,26 @@ class _Loop:
         if job.rank != 0:
             return None
         self._checkpoint()
-        return self._summary(time.perf_counter() - t0)
+        summary = self._summary(time.perf_counter() - t0)
+        self._write_run_files(summary)
+        return summary
+
+    def _write_run_files(self, summary: dict) -> None:
+        """Rank 0, after the last checkpoint: the whole run's loss curve and summary.json, as the
+        single process writes them, so the run folder describes the run that just ended."""
+        from .loop import LOSS_PNG
+        from .runfiles import writing
+        from .plot import write_loss_png
+        from ..save import write_json
+        run_dir, done = self.job.run_dir, f"the run's checkpoint (step {self.step}) is complete"
+        with writing(os.path.join(run_dir, LOSS_PNG), "the loss curve", done):
+            curve, _ = write_loss_png(os.path.join(run_dir, LOSS_PNG), self.run_loss,
+                                      [(e["step"], e["loss"]) for e in self.evals],
+                                      title=f"{os.path.basename(os.path.abspath(run_dir))}: loss "
+                                            f"({self.job.meta['config']['precision']}, {self.job.n} ranks)")
+        summary["loss_curve"] = os.path.basename(curve)
+        with writing(os.path.join(run_dir, "summary.json"), "the summary", done):
+            write_json(os.path.join(run_dir, "summary.json"), summary)
 
     def _summary(self, seconds: float) -> dict:
         windows = max(1, len(self.losses))
@@ -366,7 +415,8 @@ class _Loop:
                 "seconds": seconds, "seconds_per_step": {k: v / windows for k, v in self.times.items()},
                 # the median, as the single process reports: the first steps' ORT warm-up left out
                 "median_step_s": float(np.median(self.step_seconds)) if self.step_seconds else None,
-                "all_reduces": self.reductions, "eval_per_epoch": self.evals, "sync_bn": self.opts.sync_bn, **self.info}
+                "all_reduces": self.reductions, "eval_per_epoch": self.evals, "sync_bn": self.opts.sync_bn,
+                "first_step_backoff": self.first_step.as_dict(), **self.info}
 
 
 def _eval_line(r: dict) -> str:

@@ -48,10 +48,11 @@ from .data import DataCheck, Dataset, in_order, label_rule, make_source, whole_a
 from .device import check_session, providers_for
 from .runner import StepRunner
 from .evaluator import Evaluator, infer_model
+from .first_step import FirstStepSearch
 from .optim import skipped_note
 from .plot import write_loss_png
 from .runfiles import (CHECKPOINT, FIX, REBUILD, TRAIN_JSON, check_meta, export_inputs, json_file,
-                       read_checkpoint, read_json, refuse_run_files, run_file, writing)
+                       read_checkpoint, read_json, refuse_run_files, run_file, started_over_note, writing)
 from .config import TrainConfig
 from .step import SCALE, STEP
 
@@ -231,6 +232,8 @@ class _Run:
     times: list = field(default_factory=list)
     evaluator: Evaluator | None = None
     ev_result: dict | None = None
+    first_step: FirstStepSearch | None = None  # retries of skipped steps until the first is applied
+    started_over: str | None = None             # --no-resume over a checkpoint: which one is replaced
 
     def checkpoint(self):
         save_checkpoint(self.run_dir, self.runner.state_numpy(),
@@ -286,7 +289,13 @@ def _start_run(run_dir: str, meta: dict, d: _Data, c: TrainConfig, providers, no
     runner = StepRunner(run_dir, meta, state, providers, c.device_state, c.threads, c.cuda_graph, c.batch_size)
     runner.where = d.where
     notes += [n for n in [check_session(runner.sess, providers, c.device, "training")] if n]
-    return _Run(run_dir, meta, runner, providers, setup, pos, run_loss, run_eval, notes)
+    r = _Run(run_dir, meta, runner, providers, setup, pos, run_loss, run_eval, notes)
+    r.started_over = started_over_note(run_dir, c.resume)
+    # the step graph's skip restarts an accumulation window: retrying one micro-batch would not redo it
+    single = int(meta["config"].get("grad_accum", 1) or 1) == 1
+    r.first_step = FirstStepSearch.for_run(meta["config"], meta["dynamic_scale"] and single,
+                                           pos["step"] - pos["skipped"])
+    return r
 
 
 def _train_epochs(r: _Run, d: _Data, c: TrainConfig) -> str | None:
@@ -298,7 +307,7 @@ def _train_epochs(r: _Run, d: _Data, c: TrainConfig) -> str | None:
         total = min(total, c.max_steps)
     with Progress(total=total, desc="train", enabled=c.progress) as bar:
         bar.n = r.pos["step"] if total else 0
-        for line in r.notes + _dropped_lines(d.src, d.eval_src):
+        for line in [r.started_over] * bool(r.started_over) + r.notes + _dropped_lines(d.src, d.eval_src):
             _say(bar, line)
         for epoch in range(r.pos["epoch"], c.epochs):
             if not _train_epoch(r, d, c, epoch, bar):
@@ -325,7 +334,7 @@ def _train_epoch(r: _Run, d: _Data, c: TrainConfig, epoch: int, bar: Progress) -
             pos["position"] += 1
             continue
         t0 = time.perf_counter()
-        loss, applied, scale = r.runner.step(batch)
+        loss, applied, scale = r.first_step.run(lambda: r.runner.step(batch))
         r.times.append(time.perf_counter() - t0)
         pos["step"] += 1
         pos["position"] += 1
@@ -334,7 +343,7 @@ def _train_epoch(r: _Run, d: _Data, c: TrainConfig, epoch: int, bar: Progress) -
         history["scale"].append(scale)
         history["applied"].append(applied)
         r.run_loss.append(loss)
-        bar.update(1, epoch=epoch + 1, loss=f"{loss:.4f}", scale=f"{scale:g}", skipped=pos["skipped"])
+        bar.update(1, epoch=epoch + 1, loss=_loss_text(loss), scale=f"{scale:g}", skipped=pos["skipped"])
         if c.checkpoint_every and pos["step"] % c.checkpoint_every == 0:
             r.checkpoint()
     return True
@@ -377,6 +386,7 @@ def _summary(r: _Run, d: _Data, state: dict, note) -> dict:
         "epochs_done": pos["epoch"], "eval_per_epoch": r.run_eval,
         "dropped_samples": {"train": d.src.check.dropped, "eval": d.eval_src.check.dropped if d.eval_src else 0},
         "loss_curve": LOSS_PNG, "skipped_note": note or None,
+        "first_step_backoff": r.first_step.as_dict() if r.first_step else None, "started_over": r.started_over,
     }
 
 
@@ -439,6 +449,13 @@ def _say(bar: Progress, line: str):
         bar.stream.flush()
 
 
+def _loss_text(loss: float) -> str:
+    """The progress line's loss: 4 decimals, and no "-0.0000" for a loss that rounds to zero
+    from below (cross-entropy of a confident right answer is -0.0 or -1e-8 in float arithmetic)."""
+    text = f"{loss:.4f}"
+    return text[1:] if text == "-0.0000" else text
+
+
 def _eval_line(e: dict) -> str:
     return (f"epoch {e['epoch']} (step {e['step']}): eval loss {e['loss']:.4f}"
             + (f", accuracy {e['accuracy']:.4f}" if "accuracy" in e else "") + f" on {e['samples']} samples")
@@ -455,6 +472,12 @@ def format_summary(s: dict) -> str:
     lines = [f"steps: {s['steps']} ({s['optimizer_steps']} applied, {s['skipped_steps']} skipped for inf/NaN "
              f"gradients); loss scale now {s['final_scale']:g}"]
     lines += [s["skipped_note"]] if s.get("skipped_note") else []  # (nearly) all skipped: why, what to do
+    lines += [s["started_over"]] if s.get("started_over") else []
+    backoff = s.get("first_step_backoff")
+    if backoff:
+        lines.append(f"first step: loss scale backed off {backoff['from_scale']:g} -> "
+                     + (f"{backoff['to_scale']:g}" if backoff["to_scale"] is not None else "(no step applied)")
+                     + f" on the first batch ({backoff['tries']} retried step(s), not counted as skipped)")
     if s["loss"] is not None:
         lines.append(f"train loss (last epoch mean): {s['loss']:.4f}")
     per_epoch = s.get("eval_per_epoch") or []

@@ -1,10 +1,12 @@
 """The loss curve of a training run: run_dir/loss.png, drawn with matplotlib (graphmp[plot]).
 
-write_loss_png(path, train_loss, eval_points) draws the train loss per step (a line; when
-there are more than twice as many steps as pixel columns, the per-column mean with a light
-min..max band)
-and the eval loss per epoch (markers joined by a line) on a linear loss axis, with
-matplotlib (Agg, no pyplot state touched). Non-finite losses (steps skipped for overflow)
+write_loss_png(path, train_loss, eval_points) draws the train loss per step as light raw
+points (when there are more than twice as many steps as pixel columns, the per-column
+min..max band instead) under a smoothed line (a centred moving mean over about 1/50 of the
+steps: at batch 1 the raw per-step loss is a comb that hides the trend), and the eval loss
+per epoch (markers joined by a line). The loss axis is logarithmic when the losses are
+positive and span more than LOG_SPAN (a loss falling from 1000 to 0.1 is a flat line at the
+bottom of a linear axis). Drawn with matplotlib (Agg, no pyplot state touched). Non-finite losses (steps skipped for overflow)
 are left out of the plot. Without matplotlib it writes the numbers instead, as loss.csv
 beside `path` (write_loss_csv), and returns (that path, a hint line (HINT) for the caller to
 print). Files are written atomically.
@@ -24,6 +26,8 @@ BAND_RGB = (190, 214, 236)
 EVAL_RGB = (255, 127, 14)
 LOSS_CSV = "loss.csv"
 CSV_HEADER = "step,train_loss,eval_loss"
+LOG_SPAN = 30.0     # max/min of the plotted losses above which the loss axis is logarithmic
+SMOOTH_FRACTION = 50  # the smoothing window: about len / SMOOTH_FRACTION steps
 HINT = "no matplotlib: the losses are in {csv}; pip install 'graphmp[plot]' would draw loss.png"
 
 
@@ -69,6 +73,29 @@ def write_loss_csv(path, train_loss, eval_points=()) -> str:
     return str(path)
 
 
+def smooth(y: np.ndarray, window: int) -> np.ndarray:
+    """Centred moving mean of y over `window` points (odd), the window shrinking at the ends
+    so the line starts at the first point and ends at the last; y unchanged for window <= 1."""
+    y = np.asarray(y, dtype=np.float64)
+    if window <= 1 or len(y) < 3:
+        return y
+    half = window // 2
+    c = np.concatenate([[0.0], np.cumsum(y)])
+    i = np.arange(len(y))
+    lo, hi = np.maximum(i - half, 0), np.minimum(i + half + 1, len(y))
+    return (c[hi] - c[lo]) / (hi - lo)
+
+
+def _log_axis(y, line, ev) -> bool:
+    """A logarithmic loss axis: the smoothed train loss (and the eval loss) positive and the
+    losses spanning more than LOG_SPAN; a few raw zeros do not prevent it."""
+    levels = np.concatenate([line, ev[:, 1][np.isfinite(ev[:, 1])]]) if len(ev) else line
+    if not len(levels) or levels.min() <= 0:
+        return False
+    top = max(levels.max(), y.max() if len(y) else 0.0)
+    return top / levels.min() > LOG_SPAN
+
+
 def _png_matplotlib(steps, loss, ev, width, height, title) -> bytes:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -77,22 +104,31 @@ def _png_matplotlib(steps, loss, ev, width, height, title) -> bytes:
     ax = fig.add_subplot(1, 1, 1)
     ok = np.isfinite(loss)
     x, y = steps[ok], loss[ok]
-    if len(x) > 2 * width:  # more steps than pixels: per-bin mean and min..max band (fast, same picture)
+    line = smooth(y, 2 * (len(y) // (2 * SMOOTH_FRACTION)) + 1)
+    raw = np.array(TRAIN_RGB) / 255
+    if len(x) > 2 * width:  # more steps than pixels: the per-column min..max band (fast, same picture)
         edges = np.linspace(x[0], x[-1] + 1, width + 1)
         b = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, width - 1)
         lo, hi = np.full(width, np.inf), np.full(width, -np.inf)
         np.minimum.at(lo, b, y)
         np.maximum.at(hi, b, y)
-        cnt = np.bincount(b, minlength=width)
-        has = cnt > 0
+        has = np.bincount(b, minlength=width) > 0
         mid = ((edges[:-1] + edges[1:]) / 2)[has]
-        ax.fill_between(mid, lo[has], hi[has], color=np.array(BAND_RGB) / 255, lw=0)
-        x, y = mid, (np.bincount(b, y, minlength=width) / np.maximum(cnt, 1))[has]
-    ax.plot(x, y, color=np.array(TRAIN_RGB) / 255, lw=1, label="train (per step)")
+        ax.fill_between(mid, lo[has], hi[has], color=np.array(BAND_RGB) / 255, lw=0, label="train (per step)")
+    elif len(x) > 50:
+        ax.plot(x, y, ".", ms=2, color=np.array(BAND_RGB) / 255, label="train (per step)")
+    elif len(x):  # a short run: every step readable, joined
+        ax.plot(x, y, ".-", ms=3, lw=1, color=raw, label="train (per step)")
+    if len(x) > 50:
+        ax.plot(x, line, color=raw, lw=1.5, label="train (smoothed)")
     if len(ev):
         ax.plot(ev[:, 0], ev[:, 1], "o-", color=np.array(EVAL_RGB) / 255, label="eval (per epoch)")
+    if _log_axis(y, line, ev):
+        ax.set_yscale("log", nonpositive="clip")  # raw zero losses (a confident right answer) sit at the bottom
+        ax.set_ylabel("loss (log scale)")
+    else:
+        ax.set_ylabel("loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     if ok.any() or len(ev):

@@ -162,6 +162,21 @@ def _count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+def started_over_note(run_dir, resume: bool) -> str | None:
+    """The line a run that starts over says (resume off, a checkpoint present): which
+    checkpoint its own first checkpoint replaces. None when nothing is replaced."""
+    if resume:
+        return None
+    try:
+        ck = read_checkpoint(run_dir)[0]
+    except GraphmpError:  # a damaged one: train() reports it on its own terms
+        return None
+    if ck is None:
+        return None
+    return (f"starting over (--no-resume): the run's checkpoint at step {ck.get('step')} is replaced at this run's "
+            "first checkpoint")
+
+
 def read_checkpoint(run_dir) -> tuple[dict | None, str | None]:
     """(checkpoint.json's dict, the path of the state file it names), both checked; (None,
     None) when the run has no checkpoint.json."""

@@ -88,6 +88,7 @@ from .runfiles import check_run_dir, write_run
 from .source import NON_TRAINABLE
 from .step_cost import precision_cost_of_build
 from .update import CLEAN, FINITE, GRAD, NEXT, SCALE, STEP, State, add_update, initial_state, set_outputs
+from .weight_checks import refuse_frozen_int8, small_weight_warning
 
 MIN_OPSET = 13
 FORMAT = 1
@@ -321,7 +322,7 @@ def _select_weights(s: _Source, f: _Forward, trainable: str | None) -> None:
     deps = ancestors(fwd.graph, f.loss_t)
     rx = re.compile(trainable) if trainable else None
     fixed = source.non_trainable_slots(fwd) | s.legacy_consts
-    _refuse_frozen_int8(s, f, deps, trainable)
+    refuse_frozen_int8(s, f, deps, trainable)
     f.weights = [t.name for t in s.model.graph.initializer
                  if t.data_type == TensorProto.FLOAT and t.name in deps and t.name not in f.running
                  and t.name not in fixed and (rx.search(t.name) if rx else values[t.name].ndim >= 1)]
@@ -356,48 +357,6 @@ def _agrees_with_inference(model) -> bool:
     except onnx.shape_inference.InferenceError:
         return False
     return True
-
-
-# AdamW moves every element by about lr a step whatever its gradient: above this fraction of a
-# weight matrix's RMS, one step reshapes it (1e-3 is the usual fraction: lr 1e-3 on weights ~1)
-ADAMW_STEP_OF_RMS = 0.25
-
-
-def _small_weight_warning(s: _Source, f: _Forward, cfg: dict) -> None:
-    """A train.json warning (train-graph prints it) when AdamW's lr is large beside the RMS of
-    a trainable weight matrix (ndim >= 2; zero tensors, a fresh init, do not count): a fixed
-    DSP front end (openwakeword's mel filterbank, RMS 1e-3, 97% zeros) is pushed negative
-    under its Log in one step at lr 1e-3, its bins die at the Clip floor and the loss jumps
-    100x. It names the --lr that gives steps of 1e-3 of that RMS."""
-    if cfg["optimizer"] != "adamw":
-        return
-    lr = float(cfg["lr"])
-    rms = {w: float(np.sqrt(np.mean(np.square(s.values[w], dtype=np.float64)))) for w in f.weights
-           if s.values[w].ndim >= 2}
-    small = sorted((r, w) for w, r in rms.items() if 0 < r and lr > ADAMW_STEP_OF_RMS * r)
-    if not small:
-        return
-    r, w = small[0]
-    more = f" (and {len(small) - 1} more)" if len(small) > 1 else ""
-    f.warnings.append(f"{s.path}: weight '{w}'{more} has RMS {r:.2g}, small beside lr {lr:g}: AdamW moves every "
-                      f"element by about lr a step ({lr / r:.0%} of its RMS), which can make the loss jump rather "
-                      f"than fall; give --lr {1e-3 * r:.0e} (1e-3 of that RMS), or leave it out of --trainable")
-
-
-def _refuse_frozen_int8(s: _Source, f: _Forward, deps: set, trainable: str | None) -> None:
-    """Weight-only INT8 (or other integer) matrices behind DequantizeLinear cannot be trained.
-    Without --trainable that is a refusal: training only the float tensors around them
-    (biases, norms) is not what a user asking to train the model expects. With --trainable
-    it is a warning that they stay frozen."""
-    q = source.quantized_weights(f.model, deps)
-    if not q:
-        return
-    what = f"{len(q)} weight(s) are stored as integers behind DequantizeLinear (e.g. '{q[0][0]}' -> '{q[0][1]}')"
-    if trainable is None:
-        raise GraphmpError(f"{s.path}: {what} and cannot be trained; train the FP32 model it was quantized from "
-                           "(and quantize again), or pass --trainable REGEX to train only the float tensors it "
-                           "names, the integer weights frozen.")
-    f.warnings.append(f"{s.path}: {what}; they stay frozen (only the float tensors --trainable names train)")
 
 
 def _convert_precision(s: _Source, f: _Forward, cfg: dict, config: StepConfig) -> None:
@@ -594,7 +553,7 @@ def build_step(model, out_dir, config: StepConfig | None = None, **options) -> d
     s = _load_source(path, cfg)
     f = _forward_and_loss(s, cfg, config)
     _select_weights(s, f, config.trainable)
-    _small_weight_warning(s, f, cfg)
+    small_weight_warning(s, f, cfg)
     _convert_precision(s, f, cfg, config)
     _, grads, st = _add_backward(s, f, cfg, config.expose_grads)
     _add_update(s, f, cfg, grads, st)
