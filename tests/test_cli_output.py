@@ -171,7 +171,9 @@ def test_every_help_example_parses():
     flag in an example fails here), and each command shows one that runs from a clone."""
     for command in COMMANDS:
         text = _help(command)
-        examples = [ln.split("#")[0].strip() for ln in text.splitlines() if ln.strip().startswith("graphmp ")]
+        # an example: an indented line, or the rest of an "example: " line (not prose that wraps onto "graphmp")
+        examples = [m.group(1).split("#")[0].strip() for m in re.finditer(r"^(?:\s+|.*examples?: )(graphmp .*)$",
+                                                                         text, re.M)]
         examples = [e for e in examples if not e.endswith("\\")]    # a continued example: its first line only
         assert examples, f"`graphmp {command} --help` has no example"
         for e in examples:

@@ -21,7 +21,9 @@ def add(sub):
                        "and for a dim still free the first size convert's shape finding tries for its role "
                        "(batch 1, image side 224, 16 tokens, ...; the output says which). Details: "
                        "docs/inspect.md.",
-                       epilog="example: graphmp inspect models/tiny/resnet.onnx --shapes pixel_values:8x3x32x32")
+                       epilog="examples:\n  # from a clone (the second after graphmp convert wrote /tmp/resnet.mp.onnx)\n"
+                       "  graphmp inspect models/tiny/resnet.onnx --shapes pixel_values:8x3x32x32\n"
+                       "  graphmp inspect models/tiny/resnet.onnx /tmp/resnet.mp.onnx   # the plan diff\n")
     k.add_argument("model", help=".onnx model")
     k.add_argument("model2", nargs="?", help="a second .onnx model to compare with (e.g. the same source "
                    "converted by another tool)")
