@@ -185,6 +185,8 @@ class Ctx:
             self._print(msg)
 
     def _print(self, msg: str):
+        # names from the model (nodes, tensors) may hold newlines or terminal escapes: escaped
+        msg = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in msg)
         print(f"[graphmp {time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     def nodes(self):

@@ -436,6 +436,7 @@ def _report_nodes(ctx):
             fp32_nodes.append({"name": n.name, "op_type": n.op_type, "graph": g.key,
                                "reason": info.reason or "stays in its FP32 region (an FP32 operand, or no fp16 neighbour)"})
             _record_reason(n.proto, fp32_nodes[-1]["reason"])
+            ctx.detail(f"FP32 {n.op_type} '{n.name}': {fp32_nodes[-1]['reason']}")
     ctx.report["nodes"] = {"low": counts["low"], "fp32": counts["fp32"], "other": counts["other"],
                            "source_low": counts["source_low"],
                            "total": counts["low"] + counts["fp32"] + counts["other"]}

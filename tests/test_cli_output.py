@@ -62,6 +62,8 @@ def test_verbose_adds_the_steps_with_timings_and_vv_the_decisions(tmp_path, caps
     assert re.search(r"calibrate\.run: \d+\.\d\d s", v.err) and "writing " in v.err
     assert "calibrate.run" not in plain.err
     assert "islands: drop" in vv.err and "islands: drop" not in v.err   # a per-node decision
+    assert main(["convert", MNIST, "-o", out, "-vv", "--fp32-ops", "Relu"]) == 0
+    assert re.search(r"FP32 Relu '[^']+': ", capsys.readouterr().err)     # why each FP32 node is FP32
     # the summary is the same whatever the level (stdout stays the result)
     strip = lambda s: re.sub(r"time: \S+ s", "", s)  # noqa: E731
     assert strip(plain.out) == strip(v.out) == strip(vv.out)
@@ -240,3 +242,18 @@ def test_train_graph_train_and_export_quiet_print_nothing_on_success(tmp_path, c
                  "--checkpoint-every", "0"]) == 0   # resumes: one more step, and its summary
     got = capsys.readouterr()
     assert got.out.startswith("steps: ") and got.err == "", got
+
+
+def test_verbose_lines_escape_names_from_the_model(tmp_path, capsys, monkeypatch):
+    """-vv prints node names from an untrusted model: a newline or terminal escape in one
+    cannot forge a line or reach the terminal."""
+    import onnx
+    monkeypatch.setattr(graphmp.context, "PROGRESS_DELAY_S", 3600.0)  # no progress line on a slow machine
+    m = onnx.load(MNIST)
+    relu = next(n for n in m.graph.node if n.op_type == "Relu")
+    relu.name = "evil\n[graphmp    0.0s] forged\x1b[2J"
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    assert main(["convert", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "o.onnx"), "-vv", "--fp32-ops", "Relu"]) == 0
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "forged" in err
+    assert all(line.startswith("[graphmp ") for line in err.splitlines()), err
