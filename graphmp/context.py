@@ -11,6 +11,7 @@ from onnx import TensorProto
 from .errors import GraphmpError
 from .ir import Graph, Names
 from .policy import LOW_TYPES, NORM_IO, PAD_MULTIPLES
+from .progress import PROGRESS_DELAY_S, Progress, shows_progress
 
 
 @dataclass
@@ -36,7 +37,7 @@ class Options:
     validate: bool = False
     atol: float | None = None           # --validate: an element-wise criterion on top of the budget
     rtol: float | None = None
-    verbose: bool = False
+    verbose: bool | int = False         # True/1: the steps and their timings on stderr; 2: also per-node decisions
     island_trials: int | None = None    # --island-trials: FP32 islands / FP16 segments measured for their Casts
                                         # (0: off; None: passes/islands.py's size rule)
     fuse: str | None = None             # --fuse ort: ONNX Runtime's transformer fusions first (passes/fuse.py)
@@ -156,12 +157,38 @@ class Ctx:
         return None
 
     def warn(self, msg: str):
+        """A warning for the report; the summary prints it (once), -v also as it happens."""
         self.warnings.append(msg)
         self.log(f"warning: {msg}")
 
     def log(self, msg: str):
+        """A step of the conversion, on stderr with verbose (-v)."""
         if self.options.verbose:
-            print(f"[graphmp {time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+            self._print(msg)
+
+    def detail(self, msg: str):
+        """A per-node decision, on stderr with verbose=2 (-vv)."""
+        if self.options.verbose and self.options.verbose >= 2:
+            self._print(msg)
+
+    def shows_progress(self) -> bool:
+        """Whether long phases draw progress lines: with verbose, or as the command's level says."""
+        return bool(self.options.verbose) or shows_progress()
+
+    def progress(self, desc: str, total: int | None = None) -> Progress:
+        """A progress line for a phase that may take seconds: drawn only after PROGRESS_DELAY_S,
+        and only where progress lines are shown (use it as a context manager)."""
+        return Progress(total=total, desc=desc, enabled=self.shows_progress(), delay=PROGRESS_DELAY_S)
+
+    def say_progress(self, msg: str):
+        """A progress line of its own (the search's every few seconds), where progress is shown."""
+        if self.shows_progress():
+            self._print(msg)
+
+    def _print(self, msg: str):
+        # names from the model (nodes, tensors) may hold newlines or terminal escapes: escaped
+        msg = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in msg)
+        print(f"[graphmp {time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     def nodes(self):
         for g in self.root.walk():

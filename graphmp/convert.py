@@ -121,8 +121,9 @@ def run_pipeline(ctx, steps=PIPELINE, check: bool | None = None) -> dict:
     whether the contracts were checked (check: None = GRAPHMP_DEBUG=1 or a test run)."""
     check = checking() if check is None else check
     timings, changed = {}, []
-    for step, res, seconds in run_steps(ctx, steps, check, FIELD_CHECKS, log=ctx.log):
+    for step, res, seconds in run_steps(ctx, steps, check, FIELD_CHECKS):
         timings[step.name] = round(seconds, 4)
+        ctx.log(f"{step.name}: {seconds:.2f} s")
         if res is None:
             continue
         if res.changed:
@@ -233,7 +234,7 @@ def _calibration_line(c: dict) -> str:
         return c["source"]
     n = c["batches"]
     how = f"; shapes {c['shapes_found']}" if c.get("shapes_found") else ""
-    return (f"{c['source']}, {n} batch{'es' if n > 1 else ''} ({'; '.join(c['shapes'])}{how}), "
+    return (f"{c['source']}, {n} batch{'es' if n > 1 else ''} ({_shapes_text(c['shapes'])}{how}), "
             f"{c['tensors_observed']} tensors observed")
 
 
@@ -243,6 +244,18 @@ VALUE_RULE_GROUPS = (
     ("periodic:", "periodic: a Sin/Cos argument where FP16's spacing is >= 2^-10 of the period, or its inputs"),
     ("rounded to an integer:", "rounded to an integer: computes a Round/Floor/Ceil or Cast-to-integer input"),
 )
+
+
+def _shapes_text(shapes: list, most: int = 3) -> str:
+    """The calibration batches' input shapes in a few words: each distinct one once, with
+    its count where it repeats (200 batches of one shape: "x:8x3 (x200)"), at most `most`
+    of them and how many more (the report lists every batch's)."""
+    counts: dict = {}
+    for s in shapes:
+        counts[s] = counts.get(s, 0) + 1
+    parts = [s + (f" (x{k})" if k > 1 else "") for s, k in list(counts.items())[:most]]
+    more = len(counts) - most
+    return "; ".join(parts) + (f"; {more} more shape{'s' if more > 1 else ''}" if more > 0 else "")
 
 
 def _reason_group(reason: str) -> str:
@@ -418,7 +431,7 @@ def _write(ctx, dst, low: LowConverter, had_external: bool, t0: float) -> Conver
                 bf16=opts.target == "bf16") if opts.load_check else None
     try:
         save_model(ctx.model, os.fspath(dst), ctx.base_dir, low, bool(ext),
-                   progress=(lambda i, n: ctx.log(f"  tensor {i}/{n}")) if opts.verbose else None, before_commit=gate)
+                   progress=(lambda i, n: ctx.detail(f"  tensor {i}/{n}")) if opts.verbose else None, before_commit=gate)
     except LoadCheckFailed as e:
         report.update(load_check=e.result, written=False, seconds=time.perf_counter() - t0)
         e.report = ConvertReport(report)
@@ -451,6 +464,7 @@ def _report_nodes(ctx):
             fp32_nodes.append({"name": n.name, "op_type": n.op_type, "graph": g.key,
                                "reason": info.reason or "stays in its FP32 region (an FP32 operand, or no fp16 neighbour)"})
             _record_reason(n.proto, fp32_nodes[-1]["reason"])
+            ctx.detail(f"FP32 {n.op_type} '{n.name}': {fp32_nodes[-1]['reason']}")
     ctx.report["nodes"] = {"low": counts["low"], "fp32": counts["fp32"], "other": counts["other"],
                            "source_low": counts["source_low"],
                            "total": counts["low"] + counts["fp32"] + counts["other"]}

@@ -286,7 +286,7 @@ def refuse_clobber(outputs, inputs) -> None:
         for src_what, src in inputs:
             if _same(out, src):
                 raise GraphmpError(f"{out}: {what} is the same file as {src_what} ({src}); graphmp never "
-                                   f"overwrites its inputs. Choose another {what} path")
+                                   f"overwrites its inputs. Choose another path for {what}")
         for other_what, other in outputs[i + 1:]:
             if _same(out, other):
                 raise GraphmpError(f"{out}: {what} and {other_what} name the same file; give each its own path")

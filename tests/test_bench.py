@@ -580,8 +580,13 @@ BENCH_2 = ["bench", RESNET, "--backends", "ort-cpu", "--precisions", "fp32,fp16"
 
 
 def test_progress_inside_a_row_goes_to_stderr_and_not_with_quiet(monkeypatch, capsys):
+    """Progress lines: with -v (or on a terminal, as tests/test_cli_output.py checks), on
+    stderr; none by default into a pipe or file (a log), none with -q."""
     monkeypatch.setattr(brun, "ROW_PROGRESS_S", 0.0)  # every warm-up and timed run may say how far it got
     assert main(BENCH_2 + ["--batch", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "warm-up" not in err and "s timed" not in err and "| ort-cpu | fp16" in out
+    assert main(BENCH_2 + ["--batch", "2", "-v"]) == 0
     out, err = capsys.readouterr()
     lines = err.splitlines()
     # 3 iterations in 5 rounds: ceil(3/5) = 1 run per round, 5 runs per row

@@ -584,7 +584,7 @@ def test_cli_round_trip(mlp_path, tmp_path, capsys):
     assert main(["train-graph", mlp_path, "-o", run, "--loss", "cross-entropy", "--label-shape", "N",
                  "--optimizer", "adamw", "--lr", "1e-2", "--loss-scale", "dynamic"]) == 0
     assert main(["train", run, "--data", str(tmp_path / "train.npz"), "--epochs", "3", "--eval",
-                 str(tmp_path / "eval.npz"), "--batch-size", "32", "-q"]) == 0
+                 str(tmp_path / "eval.npz"), "--batch-size", "32"]) == 0  # -q: nothing on success
     out = capsys.readouterr().out
     assert "eval: loss" in out and "accuracy" in out
     summary = json.load(open(os.path.join(run, "summary.json")))

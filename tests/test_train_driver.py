@@ -335,7 +335,7 @@ def test_device_cuda_without_cuda_fails_in_one_line(run, tmp_path, capsys):
     assert err.count("\n") == 1 and "--device cuda" in err and "no CUDAExecutionProvider" in err
     assert _no_step_ran(run)
     # auto falls back and says so, in the output and the summary
-    assert main(["train", run, "--data", str(tmp_path / "train.npz"), "--device", "auto", "-q"]) == 0
+    assert main(["train", run, "--data", str(tmp_path / "train.npz"), "--device", "auto"]) == 0  # -q: silent
     out = capsys.readouterr().out
     s = json.load(open(os.path.join(run, "summary.json")))
     assert "device: auto: no CUDA in this onnxruntime" in out and s["device_note"].startswith("auto: no CUDA")

@@ -96,7 +96,7 @@ def test_a_three_step_first_run_applies_steps(tmp_path, digits):
     """Before, the first ~19 steps of this run were skipped backing off from 2^24 and
     `--max-steps 3` applied none (exit 1)."""
     run = _build(tmp_path, digits)
-    res = _cli("train", run, "--data", digits / "train.npz", "--batch-size", "8", "--max-steps", "3", "-q")
+    res = _cli("train", run, "--data", digits / "train.npz", "--batch-size", "8", "--max-steps", "3")
     assert res.returncode == 0, res.stderr
     summary = json.loads((run / "summary.json").read_text())
     # the first step is applied; a later one may still overflow and back off as usual
@@ -106,8 +106,8 @@ def test_a_three_step_first_run_applies_steps(tmp_path, digits):
     assert summary["final_scale"] <= backoff["to_scale"]
     assert f"backed off {2.0**24:g} -> {backoff['to_scale']:g}" in res.stdout
     # the resumed run has trained: no retry, nothing said about it
-    res = _cli("train", run, "--data", digits / "train.npz", "--batch-size", "8", "--max-steps", "5", "-q")
-    assert res.returncode == 0 and "backed off" not in res.stdout
+    res = _cli("train", run, "--data", digits / "train.npz", "--batch-size", "8", "--max-steps", "5")
+    assert res.returncode == 0 and "backed off" not in res.stdout and res.stdout.startswith("steps: ")
     assert json.loads((run / "summary.json").read_text())["first_step_backoff"] is None
 
 
@@ -116,7 +116,7 @@ def test_no_resume_says_which_checkpoint_it_replaces(tmp_path, digits):
     assert _cli("train", run, "--data", digits / "train.npz", "--batch-size", "8", "--max-steps", "4",
                 "-q").returncode == 0
     res = _cli("train", run, "--data", digits / "train.npz", "--batch-size", "8", "--max-steps", "2",
-               "--no-resume", "-q")
+               "--no-resume")
     assert res.returncode == 0, res.stderr
     assert "starting over (--no-resume): the run's checkpoint at step 4 is replaced" in res.stdout
     assert json.loads((run / "checkpoint.json").read_text())["step"] == 2

@@ -9,14 +9,17 @@ parses, dispatches and turns errors, Ctrl-C and SIGTERM into one line and an exi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import signal
 import sys
 import threading
 
 from ..errors import GraphmpError
+from ..progress import DEBUG, NORMAL, QUIET, native_stdout_to_stderr, set_verbosity
 from ..version import __version__
 from . import bench, build, check, convert, inspect, pad, train
+from .help import HelpFormatter, use_help_style
 
 # One entry per subcommand: name -> (add its parser, run it).
 COMMANDS = {
@@ -32,14 +35,49 @@ COMMANDS = {
 }
 
 
+EPILOG = """\
+every command takes -q (errors only) and -v / -vv (steps and timings / per-node decisions
+on stderr); `graphmp COMMAND --help` shows its options with their defaults.
+
+examples:
+  # from a clone of the repository
+  graphmp convert models/tiny/resnet.onnx -o /tmp/resnet.mp.onnx
+  graphmp check models/tiny/resnet.onnx /tmp/resnet.mp.onnx
+  python -m graphmp convert models/tiny/resnet.onnx -o /tmp/resnet.mp.onnx -v
+"""
+
+
 def _parser():
     p = argparse.ArgumentParser(prog="graphmp", description="Make FP32 ONNX models fast on Tensor Cores "
-                                "without losing accuracy.")
+                                "without losing accuracy.", epilog=EPILOG, formatter_class=HelpFormatter)
     p.add_argument("--version", action="version", version=f"graphmp {__version__}")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     for add, _ in COMMANDS.values():
         add(sub)
+    for command in sub.choices.values():  # one help style everywhere: defaults shown, examples kept as written
+        use_help_style(command)
     return p
+
+
+def _set_verbosity(args) -> None:
+    """The level of -q / -v / -vv for graphmp.progress, and ONNX Runtime's own log to match:
+    its warnings (initializers it removes, nodes it places) only with -vv."""
+    level = QUIET if getattr(args, "quiet", False) else NORMAL + getattr(args, "verbose", 0)
+    set_verbosity(level)
+    try:
+        import onnxruntime
+        onnxruntime.set_default_logger_severity(2 if level >= DEBUG else 3)
+    except ImportError:  # graphmp's own check says so where a command needs it
+        pass
+
+
+def _native_output(args):
+    """What C/C++ libraries print to stdout goes to stderr with -v, nowhere otherwise (onnx's
+    warnings repeat what the summary says); not around `train`, whose --nproc launcher hands
+    its stdout to the ranks it starts."""
+    if args.cmd == "train":
+        return contextlib.nullcontext()
+    return native_stdout_to_stderr(shown=getattr(args, "verbose", 0) > 0)
 
 
 def _one_line(text: str) -> str:
@@ -63,10 +101,14 @@ def main(argv=None) -> int:
     if args.cmd is None:
         _parser().print_help()
         return 2
+    _set_verbosity(args)
     try:
-        return _run(args)
+        with _native_output(args):
+            return _run(args)
     except Terminated:  # a SIGTERM while the command's own ending ran (torchrun stopping a rank that
         return 143      # has already said its error): the exit code says so, no traceback
+    finally:
+        set_verbosity(None)  # a library call after main() (in the same process) is not a command
 
 
 def _run(args) -> int:

@@ -8,8 +8,19 @@ SHAPES_HELP = ("input shapes for generated inputs, trtexec syntax: x:1x3x640x640
 METRICS = ["max-rel", "max-abs", "argmax"]
 
 
+def add_verbosity(p, quiet_text: str = "print nothing but errors", verbose_text: str | None = None):
+    """-q/--quiet and -v/--verbose (-vv), one group on every command: args.quiet is True for
+    -q, args.verbose counts the -v's (graphmp.progress reads the level the CLI sets from them)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-q", "--quiet", action="store_true", help=quiet_text)
+    g.add_argument("-v", "--verbose", action="count", default=0,
+                   help=verbose_text or "say more on stderr: -v the steps, their timings and progress lines also "
+                   "when stderr is not a terminal; -vv also the per-node decisions")
+
+
 def add_quiet(p, text: str = "print nothing but errors"):
-    p.add_argument("-q", "--quiet", action="store_true", help=text)
+    """The verbosity group (-q, -v/-vv); the name older call sites use."""
+    add_verbosity(p, text)
 
 
 def add_shapes(p, text: str = SHAPES_HELP):

@@ -16,7 +16,7 @@ what one run does:
   actually runs, warms up, times synchronized runs on the host clock (the same for every
   backend) until --iterations and --min-time are both reached, and compares the outputs
   with ONNX Runtime CPU FP32 on the same inputs. While a row warms up and is timed, a line on
-  stderr says how far it got, at most every 2 s (none with -q). Ctrl-C stops the run: the rows
+  stderr says how far it got, at most every 2 s (on a terminal, or with -v; never with -q). Ctrl-C stops the run: the rows
   that finished are printed and written to --json with "partial": true, and the exit code is 130.
 
 backends:  trt       TensorRT, strongly typed, one engine per precision and batch
@@ -39,6 +39,8 @@ accuracy, per output: err = max|a-b| / max|ref| (normalised: near-zero reference
   the FP32 source with only its inputs rounded to FP16), the yardstick of graphmp check.
 
 examples:
+  # the first runs from a clone of the repository, on the CPU
+  graphmp bench models/tiny/resnet.onnx --backends ort-cpu --iterations 10 --min-time 0.1
   graphmp bench model.onnx                                    # all backends, batch 1
   graphmp bench model.onnx --backends ort-cuda,trt --batch 1,8,32 --json out.json --plot out.png
   graphmp bench model.onnx --backends ort-cpu --iterations 20 --min-time 0.5
@@ -103,7 +105,7 @@ def add(sub):
     b.add_argument("--keep", metavar="DIR", help="keep the compared models and engines in DIR")
     add_json(b, "write the results as JSON (schema: graphmp.bench docstring; 'timing' says how rows were timed)")
     b.add_argument("--plot", metavar="PNG", help="write a bar chart (needs matplotlib: pip install 'graphmp[plot]')")
-    add_quiet(b, "no progress line")
+    add_quiet(b, "the table and errors only: no progress or step line")
 
 
 
@@ -123,7 +125,7 @@ def run(args) -> int:
         res.write_json(args.json, in_place_ok=True)
     if args.plot:
         res.plot(args.plot)
-    print(res.table())
+    print(res.table())  # the result, also with -q (which drops the progress and step lines)
     if res.data["partial"]:
         n, kept = len(res.rows), f"; {args.json} with \"partial\": true" if args.json else ""
         print(f"graphmp: interrupted (Ctrl-C): {n} row{'' if n == 1 else 's'} had finished (the table above{kept})",
@@ -138,6 +140,7 @@ def run(args) -> int:
 
 def _bench(bench, args, outputs):
     """graphmp.bench with the command's arguments."""
+    from ..progress import shows_progress
     return bench(args.model, converted=args.converted, backends=args.backends, precisions=args.precisions,
                  compare=args.compare, compare_occ=args.compare_occ, model_type=args.model_type,
                  batches=args.batch, data=args.data, shapes=args.shapes, seed=args.seed, warmup=args.warmup,
@@ -145,5 +148,5 @@ def _bench(bench, args, outputs):
                  cudnn_conv_algo_search=args.cudnn_conv_algo_search, timing_cache=args.timing_cache,
                  workspace_mb=args.workspace, max_error=args.max_error, tf32_factor=args.tf32_factor,
                  atol=args.atol, rtol=args.rtol, oracle_max_mb=args.oracle_max_mb,
-                 keep=args.keep, command=getattr(args, "command_line", None), progress=not args.quiet,
+                 keep=args.keep, command=getattr(args, "command_line", None), progress=shows_progress(),
                  outputs=outputs)

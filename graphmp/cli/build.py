@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .args import add_output, add_shapes, add_timing_cache, add_workspace
+from .args import add_output, add_shapes, add_timing_cache, add_verbosity, add_workspace
 from .outputs import default_output
 
 EPILOG_BUILD = """\
@@ -33,7 +33,7 @@ def add(sub):
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("model", help="input .onnx (normally the output of graphmp convert); external data is read "
                    "from its folder")
-    add_output(b, "engine file (default: MODEL.plan next to the input)")
+    add_output(b, "engine file (default: MODEL.plan in the current directory)")
     add_shapes(b, "opt shapes of the dynamic inputs, e.g. input:8x3x224x224")
     b.add_argument("--min-shapes", metavar="NAME:DIMS,...", help="smallest shapes (default: --shapes)")
     b.add_argument("--max-shapes", metavar="NAME:DIMS,...", help="largest shapes (default: --shapes)")
@@ -41,7 +41,7 @@ def add(sub):
                      "faster)")
     b.add_argument("--no-tf32", action="store_true", help="strict FP32 for FP32 layers (clear BuilderFlag.TF32)")
     add_workspace(b, "limit the builder's workspace memory")
-    b.add_argument("--verbose", action="store_true", help="TensorRT's verbose log")
+    add_verbosity(b, "print nothing but errors", "-v: TensorRT's verbose log on stderr")
 
 
 
@@ -50,6 +50,7 @@ def run(args) -> int:
     out = args.output or default_output(args.model, ".plan")
     res = build_engine(args.model, out, shapes=args.shapes, min_shapes=args.min_shapes, max_shapes=args.max_shapes,
                        tf32=not args.no_tf32, timing_cache=args.timing_cache, workspace_mb=args.workspace,
-                       verbose=args.verbose)
-    print(res.summary())
+                       verbose=args.verbose > 0)
+    if not args.quiet:
+        print(res.summary())
     return 0

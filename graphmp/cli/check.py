@@ -7,13 +7,25 @@ from .args import add_data, add_json, add_max_error, add_metric, add_quiet, add_
 from .outputs import refuse_clobber, writable, write_json
 
 
+EPILOG_CHECK = """\
+exit codes: 0 every output within its budget; 1 a FAIL (invalid model, new inf/NaN, an
+output over budget); 2 a usage or input error.
+
+examples:
+  # the first two run from a clone, after graphmp convert wrote /tmp/resnet.mp.onnx
+  graphmp check models/tiny/resnet.onnx /tmp/resnet.mp.onnx
+  graphmp check models/tiny/resnet.onnx /tmp/resnet.mp.onnx --max-error 1e-5 --json /tmp/resnet.check.json  # FAIL: exit 1
+  graphmp check model.onnx model.mp.onnx --data batch0.npz batch1.npz --metric argmax
+"""
+
+
 def add(sub):
     k = sub.add_parser("check", help="accuracy of a converted model vs its FP32 source (FP16-faithful)",
                        description="First check that the converted model is valid (full onnx.checker, ONNX "
                        "Runtime loads it); then run the FP32 model (ONNX Runtime) and the converted one "
                        "FP16-faithfully (see --oracle; and ORT CUDA when a GPU is present) on the same inputs; "
                        "report per output the error against its budget, max abs error, argmax agreement and "
-                       "inf/NaN. Exit 1 when the model is invalid, an output gains inf/NaN or exceeds the budget.")
+                       "inf/NaN. Exit 1 when the model is invalid, an output gains inf/NaN or exceeds the budget.", epilog=EPILOG_CHECK)
     k.add_argument("reference", help="FP32 source .onnx")
     k.add_argument("converted", help="converted .onnx")
     add_data(k, "inputs (.npz, one array per model input; several files = several batches); default: generated",

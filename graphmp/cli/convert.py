@@ -27,7 +27,10 @@ how precision is chosen:
   Casts cost per inference.
 
 examples:
-  graphmp convert model.onnx -o model.mp.onnx
+  # the first two run from a clone of the repository
+  graphmp convert models/tiny/resnet.onnx -o /tmp/resnet.mp.onnx
+  graphmp convert models/tiny/gpt2.onnx -o /tmp/gpt2.mp.onnx --max-error auto --validate -v
+  graphmp convert model.onnx                      # writes model.mp.onnx in the current directory
   graphmp convert model.onnx -o out.onnx --report report.json --validate
   graphmp convert model.onnx -o out.onnx --calibration batch0.npz batch1.npz
   graphmp convert model.onnx -o out.onnx --fp32-nodes 'head|classifier' --fp32-ops Sigmoid
@@ -44,7 +47,7 @@ accuracy budget (--max-error):
   most-FP16 plan: nodes only the range rule keeps FP32 (|x| up to 4094) start in FP16 and
   stay there where the error allows ("given back"). With two batches or more the last
   one is held back; the plan must also hold on a perturbed copy of the first (shifted one
-  step, x1.01). Progress every 2 s; --search-time S stops with the best plan so far. The
+  step, x1.01). A progress line every 2 s (on a terminal, or with -v); --search-time S stops with the best plan so far. The
   report lists every node the search kept FP32, the error it removed and its share of
   the compute, and the error per batch.
 
@@ -69,7 +72,8 @@ def add(sub):
                        "The input is never modified.", epilog=EPILOG_CONVERT,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("model", help="input FP32 .onnx model (external data is read from its folder)")
-    add_output(c, "output .onnx (default: MODEL.mp.onnx next to the input)")
+    add_output(c, "output .onnx (default: MODEL.mp.onnx in the current directory, MODEL being the input's file "
+               "name without .onnx; refused when that file exists)")
     c.add_argument("--target", choices=["fp16", "bf16"], default="fp16", help="low-precision type (default fp16)")
     c.add_argument("--keep-io-types", dest="keep_io_types", action="store_true", default=True,
                    help="graph inputs/outputs keep their FP32 types (default)")
@@ -116,7 +120,8 @@ def _add_budget(c):
     add_max_error(c, "accuracy budget: after the static rules, keep the fewest nodes FP32 that bring the error "
                   "of every output on the calibration batches within E (measured FP16-faithfully); tf32: within the "
                   "error TF32 Conv/MatMul already have; floor:K: within K x the error of rounding only the inputs "
-                  "to FP16 (default K=2)", "E|tf32|floor[:K]")
+                  "to FP16 (default K=2); auto: graphmp check's yardstick, max(1e-2, 2 x the TF32 error, 2 x the FP16-input "
+                  "floor). Default: no budget (the static rules alone)", "auto[:K]|E|tf32|floor[:K]")
     add_metric(c, "error for --max-error: max-rel = max|a-b|/max|ref| per output (default), max-abs, or "
                "argmax = fraction of class predictions that change (class-score outputs)")
     c.add_argument("--strict", action="store_true", help="exit 1 when --max-error (or the budget of --plan) cannot "
@@ -183,7 +188,7 @@ def _convert(args, out: str, cal):
                    calibration=cal, shapes=args.shapes, range_threshold=args.range_threshold, norm_io=args.norm_io,
                    island_trials=args.island_trials, max_error=args.max_error, metric=args.metric, strict=args.strict,
                    search_time=args.search_time, external_data=args.external_data, validate=args.validate,
-                   atol=args.atol, rtol=args.rtol, verbose=not args.quiet, pad_channels=args.pad_channels,
+                   atol=args.atol, rtol=args.rtol, verbose=args.verbose, pad_channels=args.pad_channels,
                    fuse=args.fuse, model_type=args.model_type, plan=args.plan, save_plan=args.save_plan,
                    load_check=args.load_check)
 

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from .args import add_shapes
+from .args import add_quiet, add_shapes
 
 
 def add(sub):
@@ -21,7 +21,9 @@ def add(sub):
                        "and for a dim still free the first size convert's shape finding tries for its role "
                        "(batch 1, image side 224, 16 tokens, ...; the output says which). Details: "
                        "docs/inspect.md.",
-                       epilog="example: graphmp inspect models/tiny/resnet.onnx --shapes pixel_values:8x3x32x32")
+                       epilog="examples:\n  # from a clone (the second after graphmp convert wrote /tmp/resnet.mp.onnx)\n"
+                       "  graphmp inspect models/tiny/resnet.onnx --shapes pixel_values:8x3x32x32\n"
+                       "  graphmp inspect models/tiny/resnet.onnx /tmp/resnet.mp.onnx   # the plan diff\n")
     k.add_argument("model", help=".onnx model")
     k.add_argument("model2", nargs="?", help="a second .onnx model to compare with (e.g. the same source "
                    "converted by another tool)")
@@ -29,11 +31,14 @@ def add(sub):
                "default: the declared dims, a plausible size for a free one)")
     k.add_argument("--json", action="store_true", help="print the result as JSON (schema graphmp.inspect, "
                    "version 1) instead of text")
+    add_quiet(k, "print nothing but errors (the exit code says whether the models could be read)")
 
 
 def run(args) -> int:
     from ..inspect import inspect
     rep = inspect(args.model, args.model2, shapes=args.shapes)
+    if args.quiet:
+        return 0
     try:
         print(json.dumps(rep.to_dict(), indent=1) if args.json else rep.summary(), flush=True)
     except BrokenPipeError:

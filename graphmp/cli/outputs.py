@@ -39,8 +39,16 @@ def writable(path, what):
 
 
 def default_output(model: str, suffix: str) -> str:
-    """MODEL<suffix> next to the input model (-o left out)."""
-    return os.path.splitext(model)[0] + suffix
+    """-o left out: the model's file name with `suffix` in the current directory, so that
+    nothing is written into the source model's folder (a repository's models/, a read-only
+    mount) unless the user is working there. A file already there is not the user's to lose
+    to a name they never gave: a one-line error asks for -o."""
+    out = os.path.splitext(os.path.basename(model))[0] + suffix
+    if os.path.lexists(out):
+        from ..errors import GraphmpError
+        raise GraphmpError(f"{out} exists in the current directory (the default output for {model}); "
+                           f"give -o {out} to replace it, or another -o path")
+    return out
 
 
 def load_check_failed(e, out: str, fix: str) -> int:

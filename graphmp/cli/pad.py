@@ -21,6 +21,8 @@ what is padded (with zero weights, so outputs are unchanged):
   aligned by a runtime Pad copy.
 
 examples:
+  # the first runs from a clone of the repository
+  graphmp pad models/real/ultraface_rfb640.onnx -o /tmp/ultraface.pad.onnx --validate
   graphmp pad model.onnx -o model.pad.onnx                      # multiples of 8
   graphmp pad model.onnx -o out.onnx --multiple 64 --validate    # A100/H100 tiles, checked
   graphmp convert model.onnx -o out.onnx --pad-channels 8       # padding + mixed precision
@@ -34,7 +36,7 @@ def add(sub):
                        "The input is never modified.", epilog=EPILOG_PAD,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("model", help="input .onnx model (FP32 or already converted)")
-    add_output(c, "output .onnx (default: MODEL.pad.onnx next to the input)")
+    add_output(c, "output .onnx (default: MODEL.pad.onnx in the current directory)")
     c.add_argument("--multiple", type=int, default=8, help="pad to multiples of this (8, 16 or 64; default 8)")
     c.add_argument("--stem", choices=["auto", "off"], default="auto",
                    help="pad a first Conv's 3-channel input with one Pad node (default auto)")
@@ -44,7 +46,8 @@ def add(sub):
     add_report(c, "write the report (every padded and unaligned layer) as JSON")
     add_validate(c, "run ONNX Runtime on both models with the same inputs; exit 1 if outputs differ by more than "
                  "--atol or change shape")
-    c.add_argument("--atol", type=float, default=1e-4)
+    c.add_argument("--atol", type=float, default=1e-4, help="--validate: the largest absolute difference "
+                   "allowed between the outputs of the two models")
     add_shapes(c)
     add_load_check(c, "padded model")
     add_quiet(c)

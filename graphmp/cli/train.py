@@ -27,6 +27,7 @@ LSTM/GRU: no gradient rule; each LSTM/GRU node is unrolled into primitive ops ov
   sizes graphmp finds that run); the step graph keeps the free dims free.
 
 examples:
+  graphmp train-graph models/real/mnist_cntk.onnx -o /tmp/mnist-run --force   # from a clone
   graphmp train-graph model.onnx -o run/ --loss cross-entropy --label-shape N --lr 1e-3
   graphmp train-graph model.onnx -o run/ --optimizer sgd --lr 0.1 --momentum 0.9 --loss-scale 1024
   graphmp train-graph model.onnx -o run/ --loss mse --precision fp32 --trainable 'head\\.'
@@ -63,6 +64,9 @@ output and summary say why and what to do; exit 1 when no step of the call was a
 (nothing was trained), else 0.
 
 examples:
+  # the first two from a clone, after the README's digits data is written
+  graphmp train-graph models/real/mnist_cntk.onnx -o /tmp/graphmp-tour/run --force
+  graphmp train /tmp/graphmp-tour/run --data /tmp/graphmp-tour/train.npz --epochs 1 --batch-size 16
   graphmp train run/ --data train.npz --epochs 3 --eval eval.npz
   graphmp train run/ --data train.npz --batch-size 64 --checkpoint-every 500 --device cuda
   graphmp train run/ --data train.npz --nproc 2 --batch-size 32 --eval eval.npz   # 2 ranks, global batch 64
@@ -153,10 +157,11 @@ def add_train(sub):
                        epilog=EPILOG_TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("run_dir", help="run folder made by `graphmp train-graph`")
     add_data(t, "training data (see below)", required=True)
-    t.add_argument("--epochs", type=int, default=1)
-    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--epochs", type=int, default=1, help="passes over the training data")
+    t.add_argument("--batch-size", type=int, default=32, help="samples per step (per rank with --nproc)")
     t.add_argument("--eval", metavar="NPZ", help="eval data, same layout; evaluated after every epoch")
-    t.add_argument("--checkpoint-every", type=int, default=100, metavar="STEPS")
+    t.add_argument("--checkpoint-every", type=int, default=100, metavar="STEPS",
+                   help="write a checkpoint every STEPS steps, and always at the end (0: only at the end)")
     t.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint and start over")
     add_seed(t, "shuffling seed")
     t.add_argument("--max-steps", type=int, help="stop after this many steps in total")
@@ -176,7 +181,7 @@ def add_train(sub):
                    "no per-node launch cost). Needs a step built with static shapes (train-graph --shapes) whose "
                    "every node runs on CUDA: refused in one line otherwise. Off by default")
     _add_data_parallel(t)
-    add_quiet(t, "no progress line")
+    add_quiet(t, "print nothing but errors (and why nothing was trained, when no step was applied)")
 
 
 
@@ -206,7 +211,9 @@ def add_export(sub):
     e = sub.add_parser("export", help="write an inference model holding the trained weights",
                        description="Write the source model with the run's latest trained weights and BatchNorm "
                        "running statistics (FP32), or converted to mixed precision with --mixed. Weights the "
-                       "source model stored as Constant nodes are written back as Constant nodes.")
+                       "source model stored as Constant nodes are written back as Constant nodes.",
+                       epilog="example (from a clone, after the train-graph and train examples of `graphmp train "
+                       "--help`):\n  graphmp export /tmp/graphmp-tour/run -o /tmp/digits.mp.onnx --mixed\n")
     e.add_argument("run_dir", help="run folder made by `graphmp train-graph` (and trained)")
     add_output(e, "output .onnx", required=True)
     e.add_argument("--mixed", action="store_true", help="convert to mixed precision (as `graphmp convert`)")
@@ -232,7 +239,8 @@ def step_config(args):
 def train_config(args):
     """The TrainConfig of `graphmp train`'s flags, checked."""
     from ..train.config import TrainConfig
-    return TrainConfig.from_kwargs(resume=not args.no_resume, progress=not args.quiet,
+    from ..progress import shows_progress
+    return TrainConfig.from_kwargs(resume=not args.no_resume, progress=shows_progress(),
                                    **{k: getattr(args, k) for k in TRAIN_FLAGS})
 
 
@@ -341,7 +349,8 @@ def run_train(args) -> int:
         res = train(args.run_dir, args.data, train_config(args), eval_data=args.eval)
     except OSError as e:  # one the driver did not name (a full disk, a folder's permissions): still one line
         raise os_error(e, e.filename or args.run_dir) from None
-    print(format_summary(res.summary))
+    if not args.quiet:
+        print(format_summary(res.summary))
     steps, applied = len(res.history["applied"]), sum(bool(a) for a in res.history["applied"])
     # nothing trained: every step of this call skipped (exit 1, as a failed check, so a script
     # does not take an unchanged model for a trained one); the summary's note says why when

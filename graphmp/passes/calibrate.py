@@ -156,6 +156,7 @@ class _Runner:
         self.outputs = [o.name for o in sess.get_outputs()]
         self.inputs = [i.name for i in sess.get_inputs()]
         self.shapes: list = []
+        self.on_batch = None  # called after each batch that ran (the progress line)
 
     def __call__(self, feeds):
         outs = self.sess.run(self.outputs, {k: feeds[k] for k in self.inputs})
@@ -176,6 +177,8 @@ class _Runner:
             got = dict(zip(self.outputs, outs))
             self.cal.outputs.append({k: got[k] for k in self.model_outputs})
         self.cal.batches.append({k: feeds[k] for k in self.inputs})
+        if self.on_batch is not None:
+            self.on_batch()
 
 
     def _note_shape(self, x, arr):
@@ -212,7 +215,7 @@ def _ort_types(model, types, base_dir) -> dict:
 
 
 def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<model>",
-              keep_outputs: int = 0) -> Calibration:
+              keep_outputs: int = 0, on_batch=None) -> Calibration:
     """Ranges of every float tensor over the calibration batches (see the module doc).
 
     data: None/"auto" (generated inputs), "off", or .npz path(s) / dicts of arrays.
@@ -221,7 +224,8 @@ def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<mo
     sees more (on PP-OCRv4's detector a tensor passed the range threshold only in the
     second batch, 515.8 vs 512), and the search uses it as its held-out batch.
     keep_outputs: the model's own outputs of the first this many batches are kept in
-    cal.outputs (the probe runs unoptimised, as the search's references must)."""
+    cal.outputs (the probe runs unoptimised, as the search's references must).
+    on_batch: called with no argument after each batch that ran (a progress line)."""
     cal = Calibration()
     if data == "off":
         cal.report = {"source": "off", "batches": 0}
@@ -244,6 +248,7 @@ def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<mo
         return cal
     del probe.model
     run = _Runner(sess, probe, cal, [o.name for o in model.graph.output], keep_outputs)
+    run.on_batch = on_batch
     specs = input_specs(model)
     if generated:
         plan = find_shapes(model, run, shapes, where=where)
@@ -278,9 +283,10 @@ def run(ctx) -> PassResult:
     from .search import MAX_SEARCH_BATCHES
     wants_references = (ctx.options.max_error is not None or ctx.options.plan is not None  # search / plan verify
                         or trials_wanted(ctx))                                           # the islands' trials
-    cal = calibrate(ctx.model, ctx.types, data=ctx.options.calibration, shapes=ctx.options.shapes,
-                    base_dir=ctx.base_dir, where=ctx.path,
-                    keep_outputs=MAX_SEARCH_BATCHES + 1 if wants_references else 0)
+    with ctx.progress("calibration: batches") as bar:
+        cal = calibrate(ctx.model, ctx.types, data=ctx.options.calibration, shapes=ctx.options.shapes,
+                        base_dir=ctx.base_dir, where=ctx.path,
+                        keep_outputs=MAX_SEARCH_BATCHES + 1 if wants_references else 0, on_batch=bar.update)
     ctx.ranges = cal.ranges
     ctx.shapes = cal.shapes
     ctx.batches = cal.batches

@@ -438,6 +438,7 @@ def _measure_all(ctx, plans: _Plans, m: _Measure, chosen: list, state: dict, tot
     into `trials`. t0: when the pass began."""
     budget = AUTO_SECONDS if ctx.options.island_trials is None else None
     limit, queue, accepted, t_run = trial_limit(ctx), list(chosen), [], m.seconds  # accepted: drops
+    bar = ctx.progress("island trials")
     while queue:
         c = queue.pop(0)
         if c.nodes <= (state["freed"] if c.kind == "drop" else state["merged"]):
@@ -452,9 +453,12 @@ def _measure_all(ctx, plans: _Plans, m: _Measure, chosen: list, state: dict, tot
             if c.parts and rec["decision"].startswith("kept"):
                 queue[:0] = c.halves(plans.flops)
         trials.append(rec)
-        ctx.log(f"islands: {c.kind} {rec.get('group') or rec.get('seeds', rec.get('nodes'))[:3]}: {rec['decision']}")
+        ctx.detail(f"islands: {c.kind} {rec.get('group') or rec.get('seeds', rec.get('nodes'))[:3]}: "
+                   f"{rec['decision']}")
         if rec["decision"].startswith("FP16:"):
             accepted.append((c, rec))
+        bar.update(1, accepted=len(accepted))
+    bar.close()
     return accepted + state["merges"]
 
 

@@ -88,7 +88,8 @@ class _Search:
                 raise OutOfTime
             if now - self._shown >= self.PROGRESS_EVERY:
                 self._shown = now
-                self.ctx.log(f"search: {self.stage}, {self.evaluations} evaluations, {now - self.t0:.1f} s")
+                self.ctx.say_progress(f"search: {self.stage}, {self.evaluations} evaluations, "
+                                      f"{now - self.t0:.1f} s")
             for i in todo:
                 got = self.model.outputs(self.batches[i], fp32)
                 self.per[(fp32, i)] = self.budget.normalized(errors([self.refs[i]], [got], self.budget.metric))

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GraphmpError, first_line
+from ..progress import says_results
 from .flat import graph_state_names, pack, unpack
 from .first_step import FirstStepSearch
 from .step import SCALE
@@ -377,7 +378,7 @@ class _Loop:
             if job.evaluator is not None and self.epoch != epoch:
                 self.evals.append(dict(_evaluate(job, unpack(job.meta, self.state.numpy())), epoch=self.epoch,
                                        step=self.step))
-                if job.rank == 0 and c.progress:
+                if job.rank == 0 and (c.progress or says_results()):  # a result, not progress: also in a log
                     print(_eval_line(self.evals[-1]), flush=True)
             if every and self.step // every > before // every:
                 self._checkpoint()

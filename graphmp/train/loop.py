@@ -43,7 +43,7 @@ import onnx
 from ..errors import GraphmpError, first_line
 from ..model_io import check_writable, load_npz
 from ..save import save_model, save_npz, write_json
-from ..progress import Progress
+from ..progress import Progress, says_results
 from .data import DataCheck, Dataset, in_order, label_rule, make_source, whole_arrays
 from .device import check_session, providers_for
 from .runner import StepRunner
@@ -362,7 +362,10 @@ def _eval_epoch(r: _Run, d: _Data, c: TrainConfig, epoch: int, bar: Progress) ->
     r.ev_result = dict(r.evaluator.run(st, d.eval_src, d.eval_batch), epoch=epoch + 1, step=r.pos["step"])
     r.history["eval"].append(r.ev_result)
     r.run_eval.append(r.ev_result)
-    _say(bar, _eval_line(r.ev_result))
+    if bar.enabled:
+        _say(bar, _eval_line(r.ev_result))
+    elif says_results():  # a result as it comes, also into a log where no progress line is drawn
+        print(_eval_line(r.ev_result), file=sys.stderr, flush=True)
     bar.update(0, eval_loss=f"{r.ev_result['loss']:.4f}")
 
 
