@@ -120,7 +120,8 @@ def _cache_graph(name_in, name_out, through="Concat"):
     entries -> [B, 2, P+1, 4] as an output, next to a plain MatMul output."""
     new = helper.make_tensor_value_info("new", TensorProto.FLOAT, ["B", 2, 1, 4])
     past = helper.make_tensor_value_info(name_in, TensorProto.FLOAT, ["B", 2, "P", 4])
-    w = helper.make_tensor("w", TensorProto.FLOAT, [4, 4], np.eye(4, dtype=np.float32).ravel())
+    w = helper.make_tensor("w", TensorProto.FLOAT, [4, 4],
+                           np.random.default_rng(2).standard_normal(16).astype(np.float32))
     nodes = [helper.make_node("MatMul", ["new", "w"], ["proj"]),
              helper.make_node("MatMul", [name_in, "w"], ["scores"])]
     if through == "Concat":
@@ -140,6 +141,14 @@ def test_the_cache_is_found_by_structure_whatever_its_name(name_in, name_out):
     types = {v.name: v.type.tensor_type.elem_type for v in list(rep.model.graph.input) + list(rep.model.graph.output)}
     assert types[name_in] == types[name_out] == TensorProto.FLOAT16
     assert types["scores"] == TensorProto.FLOAT  # not a cache output: no append on its way
+    # FP32 data fed to the FP16 cache (check's --data, its ORT CUDA row) is rounded to it
+    feeds = {"new": np.random.default_rng(0).standard_normal((1, 2, 1, 4)).astype(np.float32),
+             name_in: np.random.default_rng(1).standard_normal((1, 2, 3, 4)).astype(np.float32)}
+    for run in (runner(rep.model), emulated_runner(rep.model)):
+        half = run({**feeds, name_in: feeds[name_in].astype(np.float16)})
+        fed32 = run(feeds)
+        assert np.array_equal(fed32[name_out], half[name_out]) and np.array_equal(fed32["scores"], half["scores"])
+        assert not np.array_equal(half[name_out][:, :, :3], feeds[name_in])  # the data was rounded
 
 
 def test_an_input_copied_to_an_output_is_no_cache():
