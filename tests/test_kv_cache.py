@@ -134,6 +134,30 @@ def _cache_graph(name_in, name_out, through="Concat"):
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def _stacked_cache_graph():
+    """A stacked cache as older GPT-2 exports have it: past_0 [2, B, 2, P, 4] (key and value)
+    -> Gather 0 / Gather 1 -> Concat with the new entries -> Unsqueeze -> Concat axis 0."""
+    new = helper.make_tensor_value_info("new", TensorProto.FLOAT, ["B", 2, 1, 4])
+    past = helper.make_tensor_value_info("past_0", TensorProto.FLOAT, [2, "B", 2, "P", 4])
+    inits = [helper.make_tensor(f"i{k}", TensorProto.INT64, [], [k]) for k in (0, 1)]
+    inits.append(helper.make_tensor("ax0", TensorProto.INT64, [1], [0]))
+    nodes = []
+    for k in (0, 1):
+        nodes += [helper.make_node("Gather", ["past_0", f"i{k}"], [f"half{k}"], axis=0),
+                  helper.make_node("Concat", [f"half{k}", "new"], [f"cat{k}"], axis=2),
+                  helper.make_node("Unsqueeze", [f"cat{k}", "ax0"], [f"u{k}"])]
+    nodes.append(helper.make_node("Concat", ["u0", "u1"], ["present_0"], axis=0))
+    out = helper.make_tensor_value_info("present_0", TensorProto.FLOAT, [2, "B", 2, None, 4])
+    g = helper.make_graph(nodes, "g", [new, past], [out], initializer=inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_stacked_cache_is_found_through_its_gathers():
+    rep = graphmp.convert(_stacked_cache_graph(), None, calibration="off", cache_io="fp16")
+    assert rep["kv_cache"]["pairs"] == [{"input": "past_0", "outputs": ["present_0"]}]
+    assert rep.model.graph.input[1].type.tensor_type.elem_type == TensorProto.FLOAT16
+
+
 @pytest.mark.parametrize("name_in, name_out", [("past_key_values.0.key", "present.0.key"), ("state", "next_state")])
 def test_the_cache_is_found_by_structure_whatever_its_name(name_in, name_out):
     rep = graphmp.convert(_cache_graph(name_in, name_out), None, calibration="off", cache_io="fp16")

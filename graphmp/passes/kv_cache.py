@@ -7,8 +7,10 @@ and values to it, and returns the longer cache as graph outputs, which the calle
 back as the next step's inputs. Found by structure, not by name: a cache input is a
 float graph input whose values reach a float graph output of the same rank through
 data movement only (Cast, Identity, Reshape, Transpose, Squeeze, Unsqueeze, Split,
-Slice, Concat) with at least one append on the way (a Concat, or a ScatterND /
-ScatterElements into a fixed-size cache); those outputs are its cache outputs. Names do
+Slice, Gather of its values, Concat) with at least one append on the way (a Concat, or a
+ScatterND / ScatterElements into a fixed-size cache); those outputs are its cache outputs
+(a stacked cache, [2, B, H, P, D] per layer as older GPT-2 exports have it, is found
+through its Gathers and the Concat that stacks the halves again). Names do
 not matter: `past_key_values.0.key`, `past_0` and `cache_in` are found alike; a
 `pixel_values` input copied to an output without an append is not a cache.
 
@@ -29,7 +31,7 @@ from ..context import FLOAT
 from . import PassResult
 
 # data movement a cache passes through on its way from input to output (values unchanged)
-MOVES = {"Cast", "Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Split", "Slice", "Concat",
+MOVES = {"Cast", "Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Split", "Slice", "Gather", "Concat",
          "ScatterND", "ScatterElements"}
 APPENDS = {"Concat", "ScatterND", "ScatterElements"}  # where new keys/values join the cache
 DATA_SLOT = {"ScatterND": 0, "ScatterElements": 0}     # the cache operand of a scatter (its updates are new)
