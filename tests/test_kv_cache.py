@@ -111,7 +111,7 @@ def test_cache_io_fp32_keeps_the_cache_fp32_without_keep_io_types(decoder, tmp_p
     assert rep["kv_cache"]["io"] == "fp32"
     # without --cache-io the cache follows --no-keep-io-types
     rep = graphmp.convert(src, None, keep_io_types=False, calibration="off")
-    assert rep["kv_cache"]["io"] == "fp16"
+    assert rep["kv_cache"]["io"] == "fp16" and "--cache-io fp32 keeps it FP32" in rep.summary()
 
 
 # ------------------------------------------------------------------ found by structure

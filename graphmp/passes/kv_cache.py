@@ -105,7 +105,8 @@ def run(ctx) -> PassResult:
     io = opts.target if pairs and cache_in <= low_in else "fp32"
     details = {}
     if pairs:
-        details = {"pairs": [{"input": x, "outputs": ys} for x, ys in pairs], "io": io, "target": opts.target}
+        details = {"pairs": [{"input": x, "outputs": ys} for x, ys in pairs], "io": io, "target": opts.target,
+                   "decided_by": "--cache-io" if opts.cache_io is not None else "--keep-io-types"}
         ctx.log(f"KV cache: {len(pairs)} cache input(s) found by structure; cache I/O {io}")
     return PassResult(changed=False, details=details)
 
@@ -114,6 +115,7 @@ def summary_line(d: dict) -> str:
     """The summary's line for report["kv_cache"]."""
     first = d["pairs"][0]
     how = (f"declared FP32 at the boundary, Casts inside (--cache-io {d['target']}: half the bytes per step)"
-           if d["io"] == "fp32" else f"declared {d['io'].upper()} at the boundary (--cache-io)")
+           if d["io"] == "fp32" else f"declared {d['io'].upper()} at the boundary ("
+           + ("--cache-io)" if d["decided_by"] == "--cache-io" else "--no-keep-io-types; --cache-io fp32 keeps it FP32)"))
     return (f"  KV cache: {len(d['pairs'])} cache input(s) found by structure (e.g. {first['input']} -> "
             f"{', '.join(first['outputs'])}); {how}")
