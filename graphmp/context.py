@@ -19,6 +19,8 @@ class Options:
     """Everything `graphmp.convert` can be asked (the CLI flags of `graphmp convert`)."""
     target: str = "fp16"
     keep_io_types: bool = True
+    cache_io: str | None = None         # --cache-io: a KV cache's inputs/outputs in fp32 or the target type
+                                        # (None: as keep_io_types says; passes/kv_cache.py)
     fp32_ops: tuple = ()
     fp32_nodes: str | None = None
     fp16_nodes: str | None = None
@@ -56,6 +58,9 @@ class Options:
         o.fp32_ops = tuple(o.fp32_ops or ())
         if o.target not in LOW_TYPES:
             raise GraphmpError(f"--target must be one of {', '.join(sorted(LOW_TYPES))}, not '{o.target}'")
+        if o.cache_io is not None and o.cache_io not in ("fp32", o.target):
+            raise GraphmpError(f"--cache-io must be fp32 or the target type ({o.target}: the cache is stored in "
+                               f"the conversion's low type), not '{o.cache_io}'")
         if o.range_threshold is not None and not (isinstance(o.range_threshold, (int, float))
                                                   and o.range_threshold > 0):
             raise GraphmpError(f"--range-threshold must be a positive number (the |x| above which a node "
@@ -137,6 +142,8 @@ class Ctx:
     info: dict = field(default_factory=dict)       # Node -> NodeInfo (graphmp.ir.Node hashes by identity)
     weight_rounding: dict = field(default_factory=dict)  # (graph key, weight) -> FP16 rounding facts or None (classify)
     lowered: set = field(default_factory=set)      # the Nodes running in low precision
+    low_io: dict | None = None                     # {"inputs", "outputs"}: main-graph float I/O declared in
+                                                   # the low type (passes/kv_cache.py)
     report: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)

@@ -26,8 +26,8 @@ from .model_io import (CONVERT_MARK, REASON_MARK, TWO_GB, iter_graphs, is_extern
                        open_model, tensor_nbytes)
 from .save import save_model
 from .wire import is_self_reference
-from .passes import (PassResult, Step, apply, calibrate, checking, classify, fuse, islands, legalize, paint,
-                     plan_file, prepare, run_steps, search, types)
+from .passes import (PassResult, Step, apply, calibrate, checking, classify, fuse, islands, kv_cache, legalize,
+                     paint, plan_file, prepare, run_steps, search, types)
 from .passes.apply import LowConverter, to_low
 from .plan_read import load as load_plan
 
@@ -79,6 +79,8 @@ PIPELINE = [
     Step("types", types.run, needs=("root",), gives=("types", "opsets")),
     # no-op and round-trip Casts of the source
     Step("prepare", prepare.run_drop_redundant_casts, needs=("root", "types")),
+    # a decoder's KV cache (found by structure); the float I/O declared in the low type
+    Step("kv_cache", kv_cache.run, needs=("root", "types"), gives=("low_io",)),
     # max |x| and dims of every float tensor (FP32 runs); the batches that ran and their outputs
     Step("calibration", calibrate.run, needs=("types",), gives=("ranges", "shapes", "batches", "batch_outputs")),
     # op class; why a node must stay FP32
@@ -88,7 +90,8 @@ PIPELINE = [
     Step("paint", paint.run, needs=("info",), gives=("lowered",)),
     # FP32 islands whose Casts cost more than the accuracy they buy (measured), and FP16
     # groups whose Casts cost more than their Tensor Core work
-    Step("islands", islands.run, needs=("info", "lowered", "batches", "batch_outputs", "shapes"), gives=("lowered",),
+    Step("islands", islands.run, needs=("info", "lowered", "batches", "batch_outputs", "shapes", "low_io"),
+         gives=("lowered",),
          when=_trialing),
     # --max-error: fewest FP32 nodes within budget (not with --plan)
     Step("search", plan_file.unless_plan(search.run),
@@ -97,7 +100,7 @@ PIPELINE = [
     # --plan: the saved precisions; --save-plan: node keys
     Step("plan", plan_file.run, needs=("info", "lowered", "batches"), gives=("plan",), when=_planning),
     # Casts, converted weights
-    Step(None, apply.run, needs=("info", "lowered", "types")),
+    Step(None, apply.run, needs=("info", "lowered", "types", "low_io")),
     # topological order, written back
     Step("sort", sort, needs=("root",)),
     # --max-error: the written model's error
@@ -176,6 +179,8 @@ class ConvertReport:
                 f"{v} {k}" for k, v in f["fused"].items()) if f["fused"] else f"  fuse: {f['note']}")
         if d.get("legalize"):
             lines.append(legalize.summary_line(d["legalize"]))
+        if d.get("kv_cache"):
+            lines.append(kv_cache.summary_line(d["kv_cache"]))
         if d.get("search", {}).get("budget"):
             lines.append(_search_line(d["search"]))
         if d.get("plan"):
@@ -312,8 +317,9 @@ def convert(src, dst=None, **options) -> ConvertReport:
 
     dst: output path (written atomically; the input is never touched) or None to get
     the model back in `report.model`. Options (graphmp.context.Options; the flags of
-    `graphmp convert --help`): target, keep_io_types, fp32_ops, fp32_nodes, fp16_nodes,
-    calibration (None: generated inputs; "off"; .npz path(s) or dicts of arrays),
+    `graphmp convert --help`): target, keep_io_types, cache_io ("fp32" or the target:
+    the type of a KV cache's inputs and outputs; None: as keep_io_types), fp32_ops,
+    fp32_nodes, fp16_nodes, calibration (None: generated inputs; "off"; .npz path(s) or dicts of arrays),
     shapes (NAME:DIMS,... for generated inputs), range_threshold, external_data,
     pad_channels, validate, atol, rtol, verbose, fuse ("ort": ONNX Runtime's transformer
     fusions first; the output is then for ONNX Runtime only), model_type, plan (a file
@@ -399,6 +405,7 @@ def _finish_report(ctx):
     from .session import cuda_options
     meta.key, meta.value = MARK_KEY, json.dumps({"version": __version__, "target": opts.target,
                                                  "keep_io_types": opts.keep_io_types,
+                                                 "cache_io": (ctx.report.get("kv_cache") or {}).get("io"),
                                                  "ort_cuda_options": cuda_options(ctx)})  # for graphmp.session()
 
 

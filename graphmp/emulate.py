@@ -174,16 +174,33 @@ def emulation_model(model: onnx.ModelProto, base_dir: str | None = None) -> onnx
 
 def emulated_runner(model, base_dir: str | None = None):
     """feeds -> {output: array} for the emulation of `model` (a path or ModelProto) on ONNX
-    Runtime CPU; FP16 feeds are passed as FP32 (their values are exact in FP32)."""
+    Runtime CPU; FP16 feeds are passed as FP32 (their values are exact in FP32), and FP32
+    feeds of an input the model declares FP16/BF16 (a KV cache of --cache-io fp16) are
+    rounded to that type first, as the model's caller stores them."""
     from .model_runs import runner
     if not isinstance(model, onnx.ModelProto):
         import os
         base_dir = os.path.dirname(os.path.abspath(os.fspath(model)))
         model = load_model(os.fspath(model))  # checked, its small/attribute external tensors inline
+    low_inputs = {v.name: v.type.tensor_type.elem_type for v in model.graph.input
+                  if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type in LOW}
     run = runner(emulation_model(model, base_dir), base_dir=base_dir, optimize=False)
 
     def emulated(feeds: dict) -> dict:
-        return run({k: (v.astype("float32") if getattr(v, "dtype", None) == "float16" else v)
-                    for k, v in feeds.items()})
+        return run({k: _as_fed(v, low_inputs.get(k)) for k, v in feeds.items()})
     emulated.session = run.session
     return emulated
+
+
+def _as_fed(value, low: int | None):
+    """A feed as the emulation takes it: FP32, holding the value the converted model's input
+    holds (FP32 data for a `low` input rounded to it)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype == "float16":
+        return value.astype("float32")
+    if low is None or dtype != "float32":
+        return value
+    if low == TensorProto.BFLOAT16:
+        from .weight_rounding import to_bf16_bits
+        return from_bf16_bits(to_bf16_bits(value)).reshape(value.shape)
+    return value.astype("float16").astype("float32")

@@ -60,13 +60,17 @@ def ort_session(model, providers=None, base_dir=None, optimize=True, in_node_ord
 
 def runner(model, providers=None, base_dir=None, optimize=True):
     """One ONNX Runtime session as a function feeds -> {output name: array} (arrays in
-    `feeds` that are not inputs are ignored). `.session` is the session."""
+    `feeds` that are not inputs are ignored; a float32 array fed to an input the model
+    declares float16, such as a KV cache converted with --cache-io fp16, is rounded to
+    it, as the model's caller stores it). `.session` is the session."""
     sess = ort_session(model, providers, base_dir, optimize=optimize)
     names = [o.name for o in sess.get_outputs()]
     wanted = [i.name for i in sess.get_inputs()]
+    half = {i.name for i in sess.get_inputs() if i.type == "tensor(float16)"}
 
     def run(feeds: dict) -> dict:
-        return dict(zip(names, sess.run(names, {k: feeds[k] for k in wanted})))
+        return dict(zip(names, sess.run(names, {k: feeds[k].astype(np.float16) if k in half and getattr(
+            feeds[k], "dtype", None) == np.float32 else feeds[k] for k in wanted})))
     run.session = sess
     return run
 

@@ -79,6 +79,11 @@ def add(sub):
                    help="graph inputs/outputs keep their FP32 types (default)")
     c.add_argument("--no-keep-io-types", dest="keep_io_types", action="store_false",
                    help="float graph inputs/outputs become the low type")
+    c.add_argument("--cache-io", choices=("fp32", "fp16", "bf16"), default=None,
+                   help="a decoder's KV cache (past inputs appended to and returned as present outputs, found by "
+                        "structure): fp32 declares them FP32 with the Casts inside; the target type (fp16 with "
+                        "--target fp16) declares them in it, half the bytes the caller keeps and moves per step. "
+                        "Default: as the other inputs/outputs (--keep-io-types: fp32)")
     c.add_argument("--fp32-ops", type=_csv, default=(), metavar="OP,OP", help="op types to keep FP32")
     c.add_argument("--fp32-nodes", metavar="REGEX", help="keep nodes whose name matches FP32")
     c.add_argument("--fp16-nodes", metavar="REGEX", help="force matching nodes to the low type "
@@ -183,7 +188,7 @@ def _print_report(args, rep) -> None:
 
 def _convert(args, out: str, cal):
     from ..convert import convert
-    return convert(args.model, out, target=args.target, keep_io_types=args.keep_io_types,
+    return convert(args.model, out, target=args.target, keep_io_types=args.keep_io_types, cache_io=args.cache_io,
                    fp32_ops=args.fp32_ops, fp32_nodes=args.fp32_nodes, fp16_nodes=args.fp16_nodes,
                    calibration=cal, shapes=args.shapes, range_threshold=args.range_threshold, norm_io=args.norm_io,
                    island_trials=args.island_trials, max_error=args.max_error, metric=args.metric, strict=args.strict,

@@ -1,14 +1,14 @@
 """apply: rewrite the graph to the painted precision plan.
 
-Needs: ctx.info (classify), ctx.lowered (paint), ctx.types.
+Needs: ctx.info (classify), ctx.lowered (paint), ctx.types, ctx.low_io (kv_cache).
 Steps (apply(), in order; each function's docstring says what it needs and gives):
   1. _set_produced_types:   the type each lowered (or raised) node's outputs are produced
-                            in; without keep_io_types, the main graph's float inputs;
+                            in; the main graph's float inputs of ctx.low_io;
   2. _collect_needs:        every (graph, consumer, slot, tensor, wanted type);
   3. _convert_initializers: float initializers wanted in the low type, converted in place
                             or as a second copy;
-  4. _keep_output_types:    graph outputs keep their declared types (a Cast back under
-                            the output's name);
+  4. _keep_output_types:    graph outputs keep their declared types, or the low type for
+                            ctx.low_io's (a Cast back under the output's name);
   5. _rewire_consumers:     source Casts from exact types straight to the low type; then
                             every consumer reads its wanted type;
   6. _retype_value_info:    value_info follows the new types.
@@ -27,8 +27,10 @@ Guarantees:
 - float initializers read in low precision are converted offline: in place when every
   consumer wants the low type, else as a second copy; external tensors are converted
   while streaming the output (save.save_model);
-- graph inputs/outputs keep their declared types (keep_io_types; always for
-  subgraphs); an output also read inside the graph serves each reader its type.
+- graph inputs/outputs keep their declared types (always for subgraphs), except the
+  main graph's ctx.low_io (without keep_io_types every float one; with --cache-io the
+  KV cache's), declared in the low type; an output also read inside the graph serves
+  each reader its type.
 """
 from __future__ import annotations
 
@@ -240,10 +242,10 @@ def apply(ctx):
 
 
 def _set_produced_types(ctx, rw, graphs):
-    """1. Needs ctx.info, ctx.lowered, ctx.types, options.keep_io_types. Gives rw.produced:
-    the low type for the low outputs of lowered nodes, FLOAT for every node's high outputs;
-    without keep_io_types, the low type for the main graph's FLOAT inputs, whose declared
-    type it changes to the low type."""
+    """1. Needs ctx.info, ctx.lowered, ctx.types, ctx.low_io. Gives rw.produced: the low
+    type for the low outputs of lowered nodes, FLOAT for every node's high outputs; the
+    low type for the main graph's inputs in ctx.low_io["inputs"], whose declared type it
+    changes to the low type."""
     low = ctx.low
     for g in graphs:
         for n in g.nodes:
@@ -253,11 +255,10 @@ def _set_produced_types(ctx, rw, graphs):
                     rw.produced[(g.key, n.outputs[i])] = low
             for i in info.high_outputs:
                 rw.produced[(g.key, n.outputs[i])] = FLOAT
-    if not ctx.options.keep_io_types:
-        for v in ctx.root.proto.input:
-            if ctx.types["main"].get(v.name) == FLOAT:
-                rw.produced[("main", v.name)] = low
-                v.type.tensor_type.elem_type = low
+    for v in ctx.root.proto.input:
+        if v.name in ctx.low_io["inputs"]:
+            rw.produced[("main", v.name)] = low
+            v.type.tensor_type.elem_type = low
 
 
 def _collect_needs(ctx, graphs) -> list:
@@ -317,9 +318,9 @@ def _warn_twice(ctx, rw, init_wants):
 
 
 def _keep_output_types(ctx, rw, graphs):
-    """4. Needs rw.produced (steps 1 and 3), ctx.types, options.keep_io_types. Gives graph
-    outputs in their declared types (without keep_io_types the main graph's FLOAT outputs
-    are declared in the low type): a producer of another type is renamed and a Cast back
+    """4. Needs rw.produced (steps 1 and 3), ctx.types, ctx.low_io. Gives graph outputs in
+    their declared types (the main graph's outputs in ctx.low_io["outputs"] are declared in
+    the low type): a producer of another type is renamed and a Cast back
     writes the output's name (rw.current, rw.cache); a subgraph output naming an
     outer-scope value names the variant of the declared type."""
     low = ctx.low
@@ -327,8 +328,8 @@ def _keep_output_types(ctx, rw, graphs):
         for v in g.proto.output:
             y = v.name
             declared = ctx.types[g.key].get(y)
-            if g is ctx.root and not ctx.options.keep_io_types and declared == FLOAT:
-                declared = low  # every float graph output in the low type, a Cast at the boundary
+            if g is ctx.root and y in ctx.low_io["outputs"]:
+                declared = low  # declared in the low type, a Cast at the boundary where produced FP32
                 v.type.tensor_type.elem_type = low
             cur = rw.ptype(g, y)
             if cur == declared or declared is None:

@@ -193,11 +193,12 @@ class _Plans:
         ctx, info = self.ctx, self.ctx.info
         elems = float(np.prod(ctx.shapes[t], dtype=np.float64))
         p = self.producers.get(t)
-        made_low = p is not None and p in low and list(p.outputs).index(t) in info[p].low_outputs
+        made_low = (p is not None and p in low and list(p.outputs).index(t) in info[p].low_outputs) or (
+            p is None and t in ctx.low_io["inputs"])   # an input declared in the low type (kv_cache)
         wants = {c in low and i in info[c].low_inputs for c in readers for i, x in enumerate(c.inputs) if x == t}
         wants |= {False for c in readers if t in c.implicit_inputs()}  # a body reads the source type
         if is_output:
-            wants.add(made_low and not ctx.options.keep_io_types)
+            wants.add(t in ctx.low_io["outputs"])   # declared FP32 or low (kv_cache): a Cast where made otherwise
         source = 0.0
         if p is not None and p.op_type == "Cast":  # a source Cast to FLOAT (apply's step 5)
             src = ctx.type_of(self.g, p.inputs[0])
