@@ -188,9 +188,9 @@ def _decisions_text(o: dict) -> str:
     dec = o.get("decisions")
     if dec and dec["allowed_changed"] is not None and dec["allowed_changed"] < 1:
         bad = verdict.decisions_fail(dec)
-        text += (f" ({'<' if bad else '>='} {1 - dec['allowed_changed']:.4f} allowed: "
-                 f"{'TF32' if dec['by'] == 'tf32' else 'FP16 input rounding'} changes {dec['yardsticks'][dec['by']]} of "
-                 f"{dec['rows']})")
+        by = "TF32" if dec["by"] == "tf32" else "FP16 input rounding"
+        text += (f" ({'<' if bad else '>='} {1 - dec['allowed_changed']:.4f} allowed: {by} changes "
+                 f"{dec['yardsticks'][dec['by']]} of {dec['rows']})")
     if dec and dec.get("top5") is not None:
         text += f", top-5 {dec['top5']:.4f}"
     return text

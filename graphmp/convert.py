@@ -471,8 +471,9 @@ def _validate(report, ref, converted, opts):
                                      metric=opts.metric, data_flag="--calibration").to_dict()
     except GraphmpError as e:  # the check could not run (the source refuses these inputs, ...): a failed
         # validation that says why, so the caller can still say what the conversion left on disk
-        report["validation"] = {"passed": False, "not_run": str(e), "outputs": {}, "validity": None,
-                                "converted": converted if isinstance(converted, str) else "<model>",
-                                "reference": ref if isinstance(ref, str) else "<model>", "oracle": "not run", "metric": opts.metric,
-                                "max_error": str(opts.max_error if opts.max_error is not None else DEFAULT),
-                                "atol": opts.atol, "rtol": opts.rtol, "warnings": []}
+        report["validation"] = {
+            "passed": False, "not_run": str(e), "outputs": {}, "validity": None, "oracle": "not run",
+            "converted": os.fspath(converted) if isinstance(converted, (str, os.PathLike)) else "<model>",
+            "reference": os.fspath(ref) if isinstance(ref, (str, os.PathLike)) else "<model>", "metric": opts.metric,
+            "max_error": str(opts.max_error if opts.max_error is not None else DEFAULT),
+            "atol": opts.atol, "rtol": opts.rtol, "warnings": []}

@@ -122,7 +122,9 @@ def decision_factor(spec) -> float:
 
 def decisions_fail(d: dict | None) -> bool:
     """The converted model changes a larger share of decisions than the yardsticks allow."""
-    return bool(d and d["allowed_changed"] is not None and d["rows"] and d["changed"] / d["rows"] > d["allowed_changed"])
+    if not d or d["allowed_changed"] is None or not d["rows"]:
+        return False
+    return d["changed"] / d["rows"] > d["allowed_changed"]
 
 
 def _pooled(values: list) -> np.ndarray:
@@ -276,9 +278,9 @@ def hints(d: dict) -> list[str]:
                    "--max-error auto:4 allows 4x the floor and the TF32 error")
     flipped = [k for k, o in bad.items() if decisions_fail(o.get("decisions"))]
     if flipped:
+        fix = _convert_command(d, "--metric argmax --max-error auto")
         out.append(f"{', '.join(flipped)}: the conversion changes more class decisions than {_k(d)}x what TF32 or "
-                   f"FP16 inputs change, whatever its {d['metric']}: {_convert_command(d, '--metric argmax --max-error auto')}"
-                   " keeps FP32 what changes them")
+                   f"FP16 inputs change, whatever its {d['metric']}: {fix} keeps FP32 what changes them")
     if any(o.get("allowed") is not None and o["error"] > o["allowed"] for o in bad.values()):
         out.append("graphmp convert --max-error E (or tf32) converts to meet a budget")
     return out
@@ -330,5 +332,5 @@ def _crash_hint(d: dict) -> str:
     keep = (f"; keeping the node it names as the source has it may avoid it: "
             + _convert_command(d, f"--fp32-nodes {shlex.quote('^' + re.escape(node.group(1)) + '$')}")) if node else ""
     return ("the converted model does not run, so nothing was compared: ONNX Runtime's message is the cause "
-            f"(no --max-error or --calibration changes it){keep}; where the FP32 source runs on the same inputs, it is a "
-            "graphmp bug worth reporting with the model")
+            f"(no --max-error or --calibration changes it){keep}; where the FP32 source runs on the same inputs, "
+            "it is a graphmp bug worth reporting with the model")

@@ -194,6 +194,22 @@ def test_validate_answers_a_crash_with_its_cause_and_names_what_it_left(monkeypa
     assert "--max-error makes" not in err and f"Left on disk: {out}, as converted (and --report {report})" in err
 
 
+def test_validate_that_cannot_run_its_check_says_why_and_what_it_left(monkeypatch, tmp_path, capsys):
+    """A check that cannot run under --validate (here its budget measurement fails) was an
+    error that left the written model on disk without a word; it is now a failed
+    validation that gives the reason and names the file."""
+    from graphmp.errors import GraphmpError
+    src = _save(_offset_classifier(), tmp_path / "cls.onnx")
+    out = str(tmp_path / "v.onnx")
+
+    def refuse(*args, **kwargs):
+        raise GraphmpError("cls.onnx: ONNX Runtime cannot run the FP32 reference to measure the error budget (boom)")
+    monkeypatch.setattr(CHECK_MODULE, "_budget", refuse)
+    rc, _, err = _run(capsys, "convert", src, "-o", out, "-q", "--validate")
+    assert rc == 1 and "the check did not run" in err and "(boom)" in err and f"Left on disk: {out}" in err, err
+    assert "--max-error makes" not in err
+
+
 def test_decision_allowance_follows_the_yardsticks_count():
     """The allowance is K x the one-sided 95% Poisson bound of what a yardstick changes:
     the rule of three at 0, textbook values above, and a collapse fails once n >= 7."""

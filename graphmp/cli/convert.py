@@ -207,7 +207,8 @@ def _advice(v: dict) -> str:
     if v.get("crash") or not v["validity"]["valid"]:
         from ..verdict import hints
         return (hints(v)[0] + "." if v.get("crash") else "The converted model is invalid: that is not an accuracy "
-                "problem (no --max-error or --calibration changes it); the checker's or ONNX Runtime's message is the cause.")
+                "problem (no --max-error or --calibration changes it); the checker's or ONNX Runtime's message is "
+                "the cause.")
     failing = [o for o in v["outputs"].values() if not o["passed"]]
     if all(o.get("not_judged") for o in failing):
         return ("Generated inputs cannot judge these outputs: --calibration with real inputs (.npz, one array per "
