@@ -194,6 +194,19 @@ def test_validate_answers_a_crash_with_its_cause_and_names_what_it_left(monkeypa
     assert "--max-error makes" not in err and f"Left on disk: {out}, as converted (and --report {report})" in err
 
 
+def test_validate_of_an_invalid_model_gives_no_accuracy_advice(monkeypatch, tmp_path, capsys):
+    """ONNX Runtime crashing on the converted model (validity: 'crashed (SIGSEGV)') is not
+    an accuracy problem: --validate names the crash, not --max-error/--calibration."""
+    src = _save(_offset_classifier(), tmp_path / "cls.onnx")
+    out = str(tmp_path / "v.onnx")
+    crashed = "ONNX Runtime 1.0 crashed (SIGSEGV) creating a CPU session with its default options"
+    monkeypatch.setattr(CHECK_MODULE, "validity", lambda converted, reference=None: {
+        "valid": False, "checker": "ok", "ort": crashed, "note": None})
+    rc, _, err = _run(capsys, "convert", src, "-o", out, "-q", "--validate")
+    assert rc == 1 and crashed in err and "not an accuracy problem" in err and "--max-error makes" not in err, err
+    assert f"Left on disk: {out}" in err
+
+
 def test_validate_that_cannot_run_its_check_says_why_and_what_it_left(monkeypatch, tmp_path, capsys):
     """A check that cannot run under --validate (here its budget measurement fails) was an
     error that left the written model on disk without a word; it is now a failed
