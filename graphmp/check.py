@@ -16,6 +16,11 @@
      Runtime on the FP32 source; where it does not, or cannot run, the emulation judges
      and the report says so. ONNX Runtime CPU itself never judges: it computes most FP16
      ops in FP32 and hides overflow.
+3. What the numbers mean (graphmp.verdict): class-score outputs are judged on their
+   argmax decisions against what TF32 and FP16 inputs change; an output that those
+   yardsticks alone move by more than its own spread is "not judged" on generated
+   inputs (they are outside the model's range; the check fails until real data is
+   given); a converted model that does not run is a FAIL with ONNX Runtime's cause.
 Inputs: the user's data (checked against the model's inputs), or generated inputs whose
 shapes come from --shapes or graphmp.inputs.find_shapes.
 A model ONNX Runtime refuses (an op it does not implement, a node it cannot run) is a
@@ -315,7 +320,8 @@ def check(ref, converted, data=None, **options) -> CheckReport:
     error under `metric` is within `max_error` (a number, "auto[:K]", "tf32" or
     "floor[:K]", as --max-error of convert; the default "auto": max(1e-2 for max-rel,
     2 x the TF32 error, 2 x the FP16-input floor), see graphmp.budget); atol/rtol add
-    an element-wise criterion."""
+    an element-wise criterion; a class-score output must also keep its decisions, and an
+    output the generated inputs cannot judge fails as 'not judged' (graphmp.verdict)."""
     opts = CheckOptions.from_kwargs(options)
     ref_graph, names = _open_pair(ref, converted, opts)
     valid = validity(converted, ref)
