@@ -154,27 +154,44 @@ def domain(name: str, wants: list, budget) -> dict | None:
     return {"spread": spread, "changes": changes, "ratio": ratio, "outside": ratio > 1.0}
 
 
+MAX_ATTRIBUTED_INPUTS = 16  # one run of the source per input: beyond this, the graph alone names them
+
+
 def culprits(model: onnx.ModelProto, batch: dict, run_ref, outputs: list) -> list[str]:
     """Why the inputs are out of range, one phrase per responsible input: the float inputs
     whose FP16 rounding alone moves one of `outputs` by more than its spread on `batch`
-    (every float input when none does alone), each with the first node the graph feeds it
-    into that makes its output jump (SENSITIVE) or, for integer inputs, the embedding rows
-    they pick (Gather indices)."""
-    want = run_ref(batch)
+    (every float input when none does alone, or when there are more than
+    MAX_ATTRIBUTED_INPUTS), each with the first node the graph feeds it into that makes its
+    output jump (SENSITIVE); integer inputs read as Gather indices (ids) are named with the
+    rows they pick when no float input is responsible alone. Best effort: a run that fails
+    names the inputs from the graph alone."""
     floats = [k for k, v in batch.items() if getattr(v, "dtype", None) == np.float32]
     alone = []
+    if len(floats) <= MAX_ATTRIBUTED_INPUTS:
+        try:
+            alone = _moved_alone(batch, run_ref, outputs, floats)
+        except Exception:  # noqa: BLE001 - a hint, never a second failure
+            alone = []
+    found = _sensitive_consumers(model)
+    out = [f"input '{k}'" + (f" feeds {found[k]}" if k in found else "") for k in alone or floats]
+    if not alone:
+        out += [f"input '{k}' (ids) {found[k]}" for k in batch if k not in floats and k in found]
+    return out
+
+
+def _moved_alone(batch: dict, run_ref, outputs: list, floats: list) -> list[str]:
+    """The inputs of `floats` whose FP16 rounding alone moves one of `outputs` by more
+    than its standard deviation on `batch`."""
+    want = run_ref(batch)
+    alone = []
     for k in floats:
-        got = run_ref(round_float_inputs({k: batch[k]}) | {j: v for j, v in batch.items() if j != k})
+        got = run_ref({**batch, k: round_float_inputs({k: batch[k]})[k]})
         for o in outputs:
             r, g = as_tensor(want[o]).astype(np.float64), as_tensor(got[o]).astype(np.float64)
             if r.shape == g.shape and np.sqrt(np.mean((g - r) ** 2)) > np.std(r):
                 alone.append(k)
                 break
-    found = _sensitive_consumers(model)
-    named = alone or floats
-    out = [f"input '{k}'" + (f" feeds {found[k]}" if k in found else "") for k in named]
-    out += [f"input '{k}' (ids) {found[k]}" for k in batch if k not in floats and k in found]
-    return out
+    return alone
 
 
 def _sensitive_consumers(model: onnx.ModelProto) -> dict:

@@ -258,3 +258,25 @@ def test_quantizer_inputs_are_named_from_the_graph(tmp_path):
     found = verdict._sensitive_consumers(onnx.load(str(tmp_path / "q.onnx")))
     assert found["hidden"].startswith("DynamicQuantizeLinear") and "scale comes from the data's range" in found["hidden"]
     assert found["ids"].startswith("picks rows of 'table") and found["ids"].endswith("(Gather 'embed')")
+
+
+def test_the_input_whose_rounding_alone_does_it_is_the_one_named(tmp_path, capsys):
+    """Two inputs: rounding 't' to FP16 alone scrambles Sin(20000 t) (FP16's step at 1 is
+    ~1e-3, 20 rad after the scale), rounding 'x' moves little. Only 't' is named, with
+    the Sin it feeds, and the output is not judged."""
+    w = (np.random.default_rng(0).standard_normal((8, 64)) * 0.01).astype(np.float32)
+    g = helper.make_graph([helper.make_node("Mul", ["t", "freq"], ["phase"], name="scale"),
+                           helper.make_node("Sin", ["phase"], ["wave"], name="wave"),
+                           helper.make_node("MatMul", ["x", "W"], ["xw"], name="proj"),
+                           helper.make_node("Add", ["wave", "xw"], ["y"], name="mix")], "two",
+                          [helper.make_tensor_value_info("t", T.FLOAT, [1, 64]),
+                           helper.make_tensor_value_info("x", T.FLOAT, [1, 8])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, [1, 64])],
+                          [numpy_helper.from_array(np.array(20000, np.float32), "freq"),
+                           numpy_helper.from_array(w, "W")])
+    src = _save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "two.onnx")
+    out = str(tmp_path / "two.mp.onnx")
+    assert main(["convert", src, "-o", out, "-q"]) == 0
+    rc, text, _ = _run(capsys, "check", src, out)
+    line = next(x for x in text.splitlines() if x.startswith("  y:"))
+    assert rc == 1 and "not judged" in line and "input 't' feeds Sin 'wave'" in line and "input 'x'" not in line, text
