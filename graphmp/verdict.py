@@ -37,8 +37,9 @@ from .budget import as_tensor, round_float_inputs
 
 CONFIDENCE_Z = 1.6449  # one-sided 95%
 TOP_K = 5
-# ops whose output jumps under a tiny change of the input: quantizers pick their scale
-# from the data's range and round to a few levels; Sin/Cos of large arguments lose their phase
+# ops that make an output jump, or go flat, with where their input lies: quantizers pick
+# their scale from the data's range and round to a few levels; Sin/Cos lose their phase at
+# large arguments and barely move at tiny ones (coordinates that N(0,1) puts near the origin)
 SENSITIVE = {"DynamicQuantizeLinear": "its quantization scale comes from the data's range",
              "QuantizeLinear": "it rounds to a few integer levels",
              "MatMulInteger": "it computes on quantized levels",
