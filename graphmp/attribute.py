@@ -123,15 +123,19 @@ def _low_outputs(model: onnx.ModelProto) -> set:
     return {v.name for v in list(m.graph.value_info) + list(m.graph.output) if v.type.tensor_type.elem_type in low}
 
 
-def fix_hint(rows: list, reference: str, converted: str, data=None) -> str:
+def fix_hint(rows: list, reference: str, converted: str, data=None, flags: str = "--max-error auto") -> str:
     """One line: where the error grows, and the two commands that fix it (the search
-    under the same yardstick, or these nodes named FP32)."""
+    under `flags`, the same yardstick by default, or these nodes named FP32); the command
+    writes a new file (verdict.fresh_output), never over the checked model or its source."""
+    from .verdict import fresh_output
+
     def grew(r):
         return "first inf/NaN" if np.isinf(r["growth"]) else f"adds {r['growth']:.3g}"
     where = ", ".join(f"{r['op_type']} '{r['node']}' ({grew(r)})" for r in rows)
     nodes = "|".join(re.escape(r["node"]) for r in rows)
     paths = [data] if isinstance(data, (str, os.PathLike)) else [d for d in (data or []) if isinstance(d, (str, os.PathLike))]
     cal = " --calibration " + " ".join(shlex.quote(os.fspath(d)) for d in paths) if paths else ""
-    return (f"the error grows most at {where}: `graphmp convert {shlex.quote(reference)} -o {shlex.quote(converted)}"
-            f"{cal} --max-error auto` measures which nodes must stay FP32 to meet this yardstick (by hand: "
+    out = shlex.quote(fresh_output(converted, reference))
+    return (f"the error grows most at {where}: `graphmp convert {shlex.quote(reference)} -o {out}"
+            f"{cal} {flags}` measures which nodes must stay FP32 to meet this yardstick (by hand: "
             f"--fp32-nodes {shlex.quote('^(' + nodes + ')$')}, with the nodes feeding them if they cancel)")

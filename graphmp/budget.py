@@ -197,6 +197,7 @@ class Budget:
     allowed: dict = field(default_factory=dict)     # output -> allowed error
     floor: dict = field(default_factory=dict)       # output -> FP16-input floor
     tf32: dict = field(default_factory=dict)        # output -> TF32 error (when asked)
+    runs: dict = field(default_factory=dict, repr=False)  # 'floor'/'tf32' -> their outputs per batch (keep=True)
 
     def normalized(self, errs: dict) -> float:
         """max over outputs of error / allowed (<= 1: within budget)."""
@@ -210,27 +211,35 @@ class Budget:
 
 
 def measure(model, batches: list, refs: list, spec, metric: str = "max-rel",
-            base_dir: str | None = None) -> Budget:
+            base_dir: str | None = None, keep: bool = False) -> Budget:
     """The budget for `model` (the FP32 source: ModelProto or path) on `batches`, whose
-    FP32 outputs are `refs`."""
+    FP32 outputs are `refs`. keep: also measure the TF32 error where the budget does not
+    need it, and keep both yardsticks' outputs per batch in `runs` (graphmp.verdict reads
+    what they predict and how far they move each output)."""
     from .model_runs import runner
     if metric not in METRICS:
         raise GraphmpError(f"--metric must be one of {', '.join(METRICS)}, not '{metric}'")
     kind, value = parse(spec)
     run32 = runner(model, base_dir=base_dir, optimize=False)  # as the references (graphmp.passes.search)
-    floor = errors(refs, [run32(round_float_inputs(b)) for b in batches], metric)
+    floor_outputs = [run32(round_float_inputs(b)) for b in batches]
+    floor = errors(refs, floor_outputs, metric)
     if not floor:
         raise GraphmpError("--metric argmax: no output of the model holds class scores ([N, C] or [N, T, V]); "
                            "use --metric max-rel or max-abs")
     b = Budget(str(spec), metric, floor=floor)
-    if kind in ("tf32", "auto"):
+    if keep:
+        b.runs["floor"] = floor_outputs
+    if kind in ("tf32", "auto") or keep:
         if not isinstance(model, onnx.ModelProto):  # a path: the rewrite needs the graph and weights
             import os
             base_dir = os.path.dirname(os.path.abspath(os.fspath(model)))
             model = onnx.load(os.fspath(model))
         run_tf32 = runner(tf32_model(model), base_dir=base_dir, optimize=False)
-        b.tf32 = errors(refs, [run_tf32(x) for x in batches], metric)
+        tf32_outputs = [run_tf32(x) for x in batches]
+        b.tf32 = errors(refs, tf32_outputs, metric)
         base = b.tf32
+        if keep:
+            b.runs["tf32"] = tf32_outputs
     if kind == "auto":  # the yardstick: what the metric tolerates, or K x what FP32 itself moves by
         base = {k: max(METRIC_FLOOR[metric], value * b.tf32.get(k, 0.0), value * f) for k, f in floor.items()}
     elif kind == "floor":

@@ -16,6 +16,11 @@
      Runtime on the FP32 source; where it does not, or cannot run, the emulation judges
      and the report says so. ONNX Runtime CPU itself never judges: it computes most FP16
      ops in FP32 and hides overflow.
+3. What the numbers mean (graphmp.verdict): class-score outputs are judged on their
+   argmax decisions against what TF32 and FP16 inputs change; an output that those
+   yardsticks alone move by more than its own spread is "not judged" on generated
+   inputs (they are outside the model's range; the check fails until real data is
+   given); a converted model that does not run is a FAIL with ONNX Runtime's cause.
 Inputs: the user's data (checked against the model's inputs), or generated inputs whose
 shapes come from --shapes or graphmp.inputs.find_shapes.
 A model ONNX Runtime refuses (an op it does not implement, a node it cannot run) is a
@@ -37,6 +42,7 @@ from .inputs import find_shapes, input_specs, user_batches
 from .model_io import load_model
 from .model_runs import cuda_available, run_reference, runner
 from .session import CUDA, ran_on
+from . import verdict
 
 ORACLES = ("emulation", "reference")
 EMULATION = "FP16-faithful emulation on ONNX Runtime (FP16 storage, FP32 math)"
@@ -130,49 +136,69 @@ class CheckReport:
     def summary(self) -> str:
         d = self.data
         extra = f", and |a-b| <= {d['atol'] or 0} + {d['rtol'] or 0}*|ref|" if d["atol"] or d["rtol"] else ""
-        lines = [f"{d['converted']} vs {d['reference']} ({d['oracle']}): {'PASS' if d['passed'] else 'FAIL'}"
+        lines = [f"{d['converted']} vs {d['reference']} ({d['oracle']}): {_headline(d)}"
                  f" ({d['metric']} <= {d['max_error']} per output{extra})"]
-        v = d["validity"]
-        if not v["valid"]:
+        v = d["validity"] or {}  # None: the check did not get that far (not_run)
+        if v and not v["valid"]:
             lines.append(f"  INVALID: onnx.checker: {v['checker']}; ONNX Runtime: {v['ort']}")
+        if d.get("crash"):
+            lines.append(f"  DOES NOT RUN: {d['crash']}")
+        if d.get("not_run"):
+            lines.append(f"  NOT RUN: {d['not_run']}")
         if d.get("inputs"):
             lines.append(f"  inputs: {d['inputs']}")
-        floor = (d.get("budget") or {}).get("floor", {})
-        tf32 = (d.get("budget") or {}).get("tf32") or {}
-        for name, o in d["outputs"].items():
-            spread = o.get("per_batch")
-            judged = (f"{d['metric']} {o['error']:.4g}"
-                      + (f" (worst of {len(spread)} batches, best {min(spread):.3g})" if spread else "")
-                      + f" (allowed {o['allowed']:.4g}"
-                      + (f"; TF32 error {tf32[name]:.3g}" if name in tf32 else "")
-                      + (f"; FP16 input floor {floor[name]:.3g}" if name in floor else "") + ")"
-                      if o.get("error") is not None and o.get("allowed") is not None else "not judged by this metric")
-            lines.append(f"  {name}: {'ok ' if o['passed'] else 'BAD'} {judged}; max abs {o['max_abs']:.4g}"
-                         + (f", argmax agree {o['argmax_agree']:.4f}" if o["argmax_agree"] is not None else "")
-                         + (f", NON-FINITE x{o['nonfinite']}" if o["nonfinite"] else ""))
+        lines += [_output_line(d, name, o) for name, o in d["outputs"].items()]
         for w in d["warnings"] + ([v["note"]] if v.get("note") else []):
             lines.append(f"  warning: {w}")
-        lines += [f"  hint: {h}" for h in _hints(d, floor)]
+        lines += [f"  hint: {h}" for h in verdict.hints(d)]
         if d.get("blame"):
             lines.append(f"  where: {d['blame']['hint']}")
         return "\n".join(lines)
 
 
-def _hints(d: dict, floor: dict) -> list[str]:
-    """What a user can do about outputs that failed their budget."""
-    bad = {k: o for k, o in d["outputs"].items() if not o["passed"] and not o["nonfinite"] and o.get("error")}
-    out = []
-    same = [k for k, o in bad.items() if o["argmax_agree"] == 1.0]
-    if same and d["metric"] != "argmax":
-        out.append(f"if {', '.join(same)} holds class scores, no decision changed (argmax agree 1.0): --metric "
-                   "argmax judges a classifier by its decisions")
-    near = [k for k, o in bad.items() if floor.get(k) and o["error"] <= 4 * floor[k]]
-    if near:
-        out.append(f"{', '.join(near)}: the error is within 4x what rounding only the inputs to FP16 costs; "
-                   "--max-error auto:4 allows 4x the floor and the TF32 error")
-    if bad:
-        out.append("graphmp convert --max-error E (or tf32) converts to meet a budget")
-    return out
+def _headline(d: dict) -> str:
+    """PASS, FAIL, or NOT JUDGED (every output that fails is one the inputs cannot judge)."""
+    if d["passed"]:
+        return "PASS"
+    failing = [o for o in d["outputs"].values() if not o["passed"]]
+    if failing and (d["validity"] or {}).get("valid") and all(o.get("not_judged") for o in failing):
+        return "NOT JUDGED"
+    return "FAIL"
+
+
+def _output_line(d: dict, name: str, o: dict) -> str:
+    """One output of the summary: its verdict, error against the budget and yardsticks,
+    max abs, what it predicts (argmax, top-5) and new inf/NaN."""
+    budget = d.get("budget") or {}
+    floor, tf32 = budget.get("floor") or {}, budget.get("tf32") or {}
+    spread = o.get("per_batch")
+    judged = (f"{d['metric']} {o['error']:.4g}"
+              + (f" (worst of {len(spread)} batches, best {min(spread):.3g})" if spread else "")
+              + f" (allowed {o['allowed']:.4g}"
+              + (f"; TF32 error {tf32[name]:.3g}" if name in tf32 else "")
+              + (f"; FP16 input floor {floor[name]:.3g}" if name in floor else "") + ")"
+              if o.get("error") is not None and o.get("allowed") is not None else "not judged by this metric")
+    verdict_word = "n/a" if o.get("not_judged") else "ok " if o["passed"] else "BAD"
+    head = f"  {name}: {verdict_word} " + (f"not judged: {o['not_judged']}; " if o.get("not_judged") else "")
+    return (head + f"{judged}; max abs {o['max_abs']:.4g}" + _decisions_text(o)
+            + (f", NON-FINITE x{o['nonfinite']}" if o["nonfinite"] else ""))
+
+
+def _decisions_text(o: dict) -> str:
+    """', argmax agree A' with, where the decisions are judged, the least agreement the
+    yardsticks allow; ', top-5 T' where there are more than 5 classes."""
+    if o["argmax_agree"] is None:
+        return ""
+    text = f", argmax agree {o['argmax_agree']:.4f}"
+    dec = o.get("decisions")
+    if dec and dec["allowed_changed"] is not None and dec["allowed_changed"] < 1:
+        bad = verdict.decisions_fail(dec)
+        by = "TF32" if dec["by"] == "tf32" else "FP16 input rounding"
+        text += (f" ({'<' if bad else '>='} {1 - dec['allowed_changed']:.4f} allowed: {by} changes "
+                 f"{dec['yardsticks'][dec['by']]} of {dec['rows']})")
+    if dec and dec.get("top5") is not None:
+        text += f", top-5 {dec['top5']:.4f}"
+    return text
 
 
 def _same_interface(ref, conv, names):
@@ -219,17 +245,23 @@ def _ort_loads(model) -> str:
     return (r.stdout.strip() or r.stderr.strip() or f"exit {r.returncode}").splitlines()[-1][:300]
 
 
-def _named(run, what: str):
-    """`run` (feeds -> outputs), raising a one-line GraphmpError `what (ONNX Runtime's
-    message)` instead of ONNX Runtime's exception: a valid-looking model ORT refuses at
-    run time (a Conv whose weight disagrees with its input) is an error, not a traceback."""
+class ConvertedRunError(GraphmpError):
+    """The converted model does not run (its emulation cannot load it or fails on the
+    inputs): check() makes it a FAIL that names the cause, not an input error."""
+
+
+def _named(run, what: str, error=GraphmpError):
+    """`run` (feeds -> outputs), raising a one-line `error` (a GraphmpError) `what (ONNX
+    Runtime's message)` instead of ONNX Runtime's exception: a valid-looking model ORT
+    refuses at run time (a Conv whose weight disagrees with its input) is an error, not a
+    traceback."""
     def named(feeds):
         try:
             return run(feeds)
         except GraphmpError:
             raise
         except Exception as e:  # noqa: BLE001 - onnxruntime's Fail / InvalidArgument / RuntimeException
-            raise GraphmpError(f"{what} ({first_line(e)})") from None
+            raise error(f"{what} ({first_line(e)})") from None
     named.session = getattr(run, "session", None)
     return named
 
@@ -288,7 +320,8 @@ def check(ref, converted, data=None, **options) -> CheckReport:
     error under `metric` is within `max_error` (a number, "auto[:K]", "tf32" or
     "floor[:K]", as --max-error of convert; the default "auto": max(1e-2 for max-rel,
     2 x the TF32 error, 2 x the FP16-input floor), see graphmp.budget); atol/rtol add
-    an element-wise criterion."""
+    an element-wise criterion; a class-score output must also keep its decisions, and an
+    output the generated inputs cannot judge fails as 'not judged' (graphmp.verdict)."""
     opts = CheckOptions.from_kwargs(options)
     ref_graph, names = _open_pair(ref, converted, opts)
     valid = validity(converted, ref)
@@ -298,15 +331,38 @@ def check(ref, converted, data=None, **options) -> CheckReport:
     run_ref = _reference_runner(ref, names)
     batches, described = _batches(ref_graph, data, opts.shapes, opts.seed, run_ref, opts.data_flag)
     warnings: list = []
-    runs = _Runs(_named(run_ref, f"{names['reference']}: ONNX Runtime cannot run the FP32 reference on these inputs"),
-                 _emulation_runner(converted, names), _cuda_runner(converted, warnings))
-    wants, gots, cudas, judged_by = _run_batches(ref, converted, batches, runs, opts.oracle, warnings)
+    run_ref = _named(run_ref, f"{names['reference']}: ONNX Runtime cannot run the FP32 reference on these inputs")
+    try:
+        runs = _Runs(run_ref, _emulation_runner(converted, names), _cuda_runner(converted, warnings))
+        wants, gots, cudas, judged_by = _run_batches(ref, converted, batches, runs, opts.oracle, warnings)
+    except ConvertedRunError as e:  # the converted model is at fault, not the inputs: a FAIL with the cause
+        return CheckReport(dict(names, oracle="not run: the converted model does not run", batches=len(batches),
+                                outputs={}, passed=False, warnings=warnings, validity=valid, inputs=described,
+                                crash=str(e)))
     budget = _budget(ref, batches, wants, opts, names)
     merged = _merge(_compare_all(wants, gots, cudas, budget, opts, names), budget)
+    warnings += verdict.judge(merged, wants, gots, budget, generated_flag=None if data is not None else opts.data_flag,
+                              explain=lambda outs: verdict.culprits(ref_graph, batches[0], run_ref, outs))
     passed = all(o["passed"] for o in merged.values())
     return CheckReport(dict(names, oracle=judged_by, batches=len(batches), inputs=described, outputs=merged,
                             budget=budget.to_dict(), passed=passed, warnings=list(dict.fromkeys(warnings)),
-                            validity=valid, blame=None if passed else _blame(ref, converted, batches[0], data)))
+                            validity=valid, blame=None if not _accuracy_failed(merged) else
+                            _blame(ref, converted, batches[0], data, _fix_flags(merged))))
+
+
+def _fix_flags(merged: dict) -> str:
+    """The budget flags of the suggested fix: the decisions where only they failed, else
+    the yardstick."""
+    failed = [o for o in merged.values() if not o["passed"] and not o.get("not_judged")]
+    if failed and all(verdict.decisions_fail(o.get("decisions")) and not o["nonfinite"]
+                      and (o.get("allowed") is None or o["error"] <= o["allowed"]) for o in failed):
+        return "--metric argmax --max-error auto"
+    return "--max-error auto"
+
+
+def _accuracy_failed(merged: dict) -> bool:
+    """An output failed on its numbers (not only 'not judged' on inputs outside the model's domain)."""
+    return any(not o["passed"] and not o.get("not_judged") for o in merged.values())
 
 
 def _open_pair(ref, converted, opts: CheckOptions) -> tuple:
@@ -336,11 +392,11 @@ def _emulation_runner(converted, names: dict):
     GraphmpError when the emulation's copy of the model does not load."""
     try:
         return _named(emulated_runner(converted), f"{names['converted']}: the FP16 emulation (ONNX Runtime CPU) "
-                      "cannot run the converted model on these inputs")
+                      "cannot run the converted model on these inputs", ConvertedRunError)
     except GraphmpError:
         raise
     except Exception as e:  # noqa: BLE001 - ORT loaded the model above; the emulation's copy is refused
-        raise GraphmpError(f"{names['converted']}: the FP16 emulation (ONNX Runtime CPU) cannot load the converted "
+        raise ConvertedRunError(f"{names['converted']}: the FP16 emulation (ONNX Runtime CPU) cannot load the converted "
                            f"model ({first_line(e)})") from None
 
 
@@ -420,7 +476,7 @@ def _budget(ref, batches: list, wants: list, opts: CheckOptions, names: dict):
     """The error budget per output (graphmp.budget.measure under max_error and metric);
     a one-line GraphmpError when the reference cannot run for it."""
     try:
-        return measure(ref, batches, wants, opts.max_error, opts.metric)
+        return measure(ref, batches, wants, opts.max_error, opts.metric, keep=True)
     except GraphmpError:
         raise
     except Exception as e:  # noqa: BLE001 - the budget runs the reference (inputs rounded to FP16, TF32)
@@ -461,7 +517,7 @@ def _merge(outputs: dict, budget) -> dict:
     return merged
 
 
-def _blame(ref, converted, feeds, data) -> dict | None:
+def _blame(ref, converted, feeds, data, flags: str = "--max-error auto") -> dict | None:
     """Where the error of a FAIL grows (graphmp.attribute), and the commands that fix it;
     None when the attribution cannot run (it is a hint, never a second failure)."""
     from .attribute import blame, fix_hint
@@ -478,4 +534,4 @@ def _blame(ref, converted, feeds, data) -> dict | None:
     if not rows:
         return None
     name = (lambda m, d: d if isinstance(m, onnx.ModelProto) else os.fspath(m))
-    return {"nodes": rows, "hint": fix_hint(rows, name(ref, "SOURCE.onnx"), name(converted, "OUT.onnx"), data)}
+    return {"nodes": rows, "hint": fix_hint(rows, name(ref, "SOURCE.onnx"), name(converted, "OUT.onnx"), data, flags)}

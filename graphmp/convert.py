@@ -513,7 +513,9 @@ def _range_rule(ctx, fp32_nodes) -> dict:
 
 def _validate(report, ref, converted, opts):
     """check() on the calibration data when the user gave some, else on generated
-    inputs of the same shapes; judged by --max-error when given, else check's yardstick."""
+    inputs of the same shapes; judged by --max-error when given, else check's yardstick.
+    A check that cannot run is a failed validation with 'not_run' (its one-line reason),
+    not an exception: the converted model is written by then."""
     from .check import check
     cal = opts.calibration
     data = None
@@ -521,6 +523,15 @@ def _validate(report, ref, converted, opts):
         data = cal
     elif isinstance(cal, (list, tuple)) and cal and cal[0] not in ("auto", "off"):
         data = cal[0]
-    report["validation"] = check(ref, converted, data=data, shapes=opts.shapes, atol=opts.atol, rtol=opts.rtol,
-                                 max_error=opts.max_error if opts.max_error is not None else DEFAULT,
-                                 metric=opts.metric, data_flag="--calibration").to_dict()
+    try:
+        report["validation"] = check(ref, converted, data=data, shapes=opts.shapes, atol=opts.atol, rtol=opts.rtol,
+                                     max_error=opts.max_error if opts.max_error is not None else DEFAULT,
+                                     metric=opts.metric, data_flag="--calibration").to_dict()
+    except GraphmpError as e:  # the check could not run (the source refuses these inputs, ...): a failed
+        # validation that says why, so the caller can still say what the conversion left on disk
+        report["validation"] = {
+            "passed": False, "not_run": str(e), "outputs": {}, "validity": None, "oracle": "not run",
+            "converted": os.fspath(converted) if isinstance(converted, (str, os.PathLike)) else "<model>",
+            "reference": os.fspath(ref) if isinstance(ref, (str, os.PathLike)) else "<model>", "metric": opts.metric,
+            "max_error": str(opts.max_error if opts.max_error is not None else DEFAULT),
+            "atol": opts.atol, "rtol": opts.rtol, "warnings": []}

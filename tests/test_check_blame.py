@@ -29,8 +29,10 @@ def test_fail_names_the_node_where_the_error_grows_and_the_fix_works(tmp_path, c
     fix = where.split("`")[1]  # the command, as printed
     argv = shlex.split(fix)
     assert argv[:2] == ["graphmp", "convert"] and "--max-error" in argv
+    fixed = argv[argv.index("-o") + 1]  # a new file: never the checked model or its source (issue 35)
+    assert fixed not in (str(src), str(conv)) and fixed.endswith(".onnx")
     assert main(argv[1:] + ["-q", "--range-threshold", "5000"]) == 0
-    rc, out = _check(capsys, src, conv)
+    rc, out = _check(capsys, src, fixed)
     assert rc == 0 and "PASS" in out.splitlines()[0] and "where:" not in out
 
 

@@ -25,7 +25,11 @@ def add(sub):
                        "Runtime loads it); then run the FP32 model (ONNX Runtime) and the converted one "
                        "FP16-faithfully (see --oracle; and ORT CUDA when a GPU is present) on the same inputs; "
                        "report per output the error against its budget, max abs error, argmax agreement and "
-                       "inf/NaN. Exit 1 when the model is invalid, an output gains inf/NaN or exceeds the budget.", epilog=EPILOG_CHECK)
+                       "inf/NaN. Exit 1 when the model is invalid or does not run, an output gains inf/NaN or "
+                       "exceeds the budget, a class-score output changes more argmax decisions than 2x what TF32 "
+                       "or FP16 inputs change, or (generated inputs only) an output is 'not judged': TF32 or "
+                       "FP16 rounding of the inputs alone moves it by more than its own spread, so the inputs are "
+                       "outside the model's range; --data with real inputs judges it.", epilog=EPILOG_CHECK)
     k.add_argument("reference", help="FP32 source .onnx")
     k.add_argument("converted", help="converted .onnx")
     add_data(k, "inputs (.npz, one array per model input; several files = several batches); default: generated",

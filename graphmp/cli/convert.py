@@ -212,27 +212,66 @@ def _verdict(args, out: str, d: dict) -> int:
         print(f"graphmp: --validate skipped: {d.get('validation_skipped', 'nothing was converted')}", file=sys.stderr)
         return 0
     if args.validate and not d["validation"]["passed"]:
-        invalid = not d["validation"]["validity"]["valid"]  # accuracy advice cannot fix a model that does not load
-        print(f"graphmp: validation FAILED for {out}: {_failed_outputs(d['validation'])}. "
-              + ("Please report this model: graphmp wrote a model that does not load." if invalid else
-                 "--max-error makes the conversion meet a budget; --calibration with real data finds the ranges your "
-                 "inputs reach."), file=sys.stderr)
+        v = d["validation"]
+        print(f"graphmp: validation FAILED for {out}: {_failed_outputs(v)}. {_advice(v)} {_left_on_disk(args, out)}",
+              file=sys.stderr)
         return 1
     return 0
 
 
+def _left_on_disk(args, out: str) -> str:
+    """What a conversion whose validation failed leaves behind (it is written before the
+    check runs, so that the check, and the user, can read it)."""
+    kept = [f"--report {args.report}"] if args.report else []
+    kept += [f"--save-plan {args.save_plan}"] if args.save_plan else []
+    return (f"Left on disk: {out}, as converted" + (f" (and {', '.join(kept)})" if kept else "")
+            + "; delete it, or convert again as this line advises.")
+
+
+def _advice(v: dict) -> str:
+    """What to do about a failed validation, fitted to what failed: a model that is invalid
+    or does not run is not an accuracy problem; outputs the generated inputs cannot judge
+    need real inputs; accuracy failures need a budget or real ranges."""
+    if v.get("not_run"):
+        return "Nothing was compared (no --max-error or --calibration changes that reason)."
+    if v.get("crash") or not v["validity"]["valid"]:
+        from ..verdict import hints
+        return (hints(v)[0] + "." if v.get("crash") else "The converted model is invalid: that is not an accuracy "
+                "problem (no --max-error or --calibration changes it); the checker's or ONNX Runtime's message is "
+                "the cause.")
+    failing = [o for o in v["outputs"].values() if not o["passed"]]
+    if all(o.get("not_judged") for o in failing):
+        return ("Generated inputs cannot judge these outputs: --calibration with real inputs (.npz, one array per "
+                "input) calibrates and validates on the range the model will see.")
+    if all(o.get("decisions") and o["decisions"].get("allowed_changed") is not None and not o["nonfinite"]
+           and (o.get("allowed") is None or o["error"] <= o["allowed"]) for o in failing):
+        return "Convert again with --metric argmax --max-error auto: it keeps FP32 the nodes that change them."
+    return ("--max-error makes the conversion meet a budget; --calibration with real data finds the ranges your "
+            "inputs reach.")
+
+
 def _failed_outputs(v: dict) -> str:
     """What failed in a validation, in words (so -q, which prints no report, still says it)."""
+    if v.get("not_run"):
+        return f"the check did not run ({v['not_run']})"
+    if v.get("crash"):
+        return f"the converted model does not run ({v['crash']})"
     if not v["validity"]["valid"]:
         return f"the model is invalid (onnx.checker: {v['validity']['checker']}; ONNX Runtime: {v['validity']['ort']})"
     bad = []
     for name, o in v["outputs"].items():
         if o["passed"]:
             continue
-        if o.get("nonfinite"):
+        if o.get("not_judged"):
+            bad.append(f"'{name}' not judged: {o['not_judged']}")
+        elif o.get("nonfinite"):
             bad.append(f"'{name}' gains {o['nonfinite']} inf/NaN")
         elif o.get("error") is not None and o.get("allowed") is not None and o["error"] > o["allowed"]:
             bad.append(f"'{name}' {v['metric']} {o['error']:.3g} > allowed {o['allowed']:.3g}")
+        elif o.get("decisions") and o["decisions"]["changed"]:
+            dec = o["decisions"]
+            bad.append(f"'{name}' changes {dec['changed']} of {dec['rows']} class decisions (at most "
+                       f"{dec['allowed_changed'] * dec['rows']:.3g} allowed)")
         else:
             bad.append(f"'{name}' outside --atol/--rtol somewhere")
     return "; ".join(bad[:4]) + (f"; and {len(bad) - 4} more outputs" if len(bad) > 4 else "")
