@@ -274,8 +274,10 @@ def _batches(ref, data, shapes, seed, run_ref, flag: str = "--data"):
         plan = find_shapes(ref, run_ref, shapes, where="check")
         ids = [n for n, h in plan.hints.items() if isinstance(h, dict) and "below" in h]
         ids = f"; {', '.join(ids)} uniform over the rows they index" if ids else ""
-        return [plan.feeds(seed)], (f"generated ({plan.describe()}; shapes {plan.how}; floats ~N(0,1){ids}: {flag} "
-                                    "with real inputs checks the range the model will really see)")
+        roles = "".join(f"; {n} uniform over [{h['span'][0]:g}, {h['span'][1]:g}) ({h['as']})"
+                        for n, h in plan.hints.items() if isinstance(h, dict) and "span" in h)
+        return [plan.feeds(seed)], (f"generated ({plan.describe()}; shapes {plan.how}; floats ~N(0,1){ids}{roles}: "
+                                    f"{flag} with real inputs checks the range the model will really see)")
     out = [feeds for _, feeds in user_batches(data, specs, flag)]
     return out, f"{len(out)} batch(es) of user data"
 

@@ -347,7 +347,7 @@ def _crash_hint(d: dict) -> str:
     import re
     import shlex
     node = re.search(r"(?:Name|node):\s*'([^']+)'", d["crash"])
-    keep = (f"; keeping the node it names as the source has it may avoid it: "
+    keep = ("; keeping the node it names as the source has it may avoid it: "
             + _convert_command(d, f"--fp32-nodes {shlex.quote('^' + re.escape(node.group(1)) + '$')}")) if node else ""
     return ("the converted model does not run, so nothing was compared: ONNX Runtime's message is the cause "
             f"(no --max-error or --calibration changes it){keep}; where the FP32 source runs on the same inputs, "

@@ -30,18 +30,20 @@ def _save(model, path) -> str:
     return str(path)
 
 
-def _points_model() -> onnx.ModelProto:
+def _points_model(name: str = "prompt") -> onnx.ModelProto:
     """A point-prompt encoding: pixel coordinates [1, 64, 2] (0..1024) -> /1024 -> @B ->
     Cos -> @W. Generated N(0,1) coordinates are all within a pixel of the origin: Cos is
-    flat there, the output barely varies, and TF32 rounding moves it by more than that."""
+    flat there, the output barely varies, and TF32 rounding moves it by more than that.
+    The input's name ("prompt") does not say it holds coordinates, so graphmp generates
+    N(0,1) for it (a name like "points" gets pixel coordinates: graphmp.input_roles)."""
     rng = np.random.default_rng(0)
     b = (rng.standard_normal((2, 8)) * 2 * np.pi).astype(np.float32)
     w = (rng.standard_normal((8, 1)) / np.sqrt(8)).astype(np.float32)
-    g = helper.make_graph([helper.make_node("Div", ["points", "size"], ["n"], name="normalize"),
+    g = helper.make_graph([helper.make_node("Div", [name, "size"], ["n"], name="normalize"),
                            helper.make_node("MatMul", ["n", "B"], ["e"], name="project"),
                            helper.make_node("Cos", ["e"], ["c"], name="encode"),
                            helper.make_node("MatMul", ["c", "W"], ["score"], name="head")], "points",
-                          [helper.make_tensor_value_info("points", T.FLOAT, [1, 64, 2])],
+                          [helper.make_tensor_value_info(name, T.FLOAT, [1, 64, 2])],
                           [helper.make_tensor_value_info("score", T.FLOAT, [1, 64, 1])],
                           [numpy_helper.from_array(np.array(1024, np.float32), "size"),
                            numpy_helper.from_array(b, "B"), numpy_helper.from_array(w, "W")])
@@ -65,7 +67,7 @@ def _offset_classifier() -> onnx.ModelProto:
 def points(tmp_path):
     src = _save(_points_model(), tmp_path / "points.onnx")
     real = str(tmp_path / "real.npz")
-    np.savez(real, points=np.random.default_rng(1).uniform(0, 1024, (1, 64, 2)).astype(np.float32))
+    np.savez(real, prompt=np.random.default_rng(1).uniform(0, 1024, (1, 64, 2)).astype(np.float32))
     out = str(tmp_path / "points.mp.onnx")
     assert main(["convert", src, "-o", out, "-q"]) == 0
     return src, out, real
@@ -84,7 +86,7 @@ def test_out_of_domain_inputs_are_not_judged_and_fail(points, tmp_path, capsys):
     assert rc == 1 and "NOT JUDGED" in text.splitlines()[0] and "PASS" not in text, text
     line = next(x for x in text.splitlines() if x.startswith("  score:"))
     assert "not judged: the generated inputs are out of range for this model" in line
-    assert "input 'points' feeds Cos 'encode'" in line and "pass --data with real inputs" in line
+    assert "input 'prompt' feeds Cos 'encode'" in line and "pass --data with real inputs" in line
     row = json.load(open(tmp_path / "c.json"))["outputs"]["score"]
     assert row["passed"] is False and row["domain"]["outside"] and row["domain"]["ratio"] > 1
     # the error alone is within the yardstick: before, this was a PASS
@@ -98,12 +100,23 @@ def test_out_of_domain_model_passes_with_realistic_data(points, capsys):
     assert rc == 0 and ": PASS (" in text.splitlines()[0] and "not judged" not in text, text
 
 
+def test_an_input_named_as_coordinates_is_generated_in_pixels_and_judged(tmp_path, capsys):
+    """The same model with its input named "points": check generates pixel coordinates for
+    it (graphmp.input_roles), says so, and judges the output without --data."""
+    src = _save(_points_model("points"), tmp_path / "points.onnx")
+    out = str(tmp_path / "points.mp.onnx")
+    assert main(["convert", src, "-o", out, "-q"]) == 0
+    rc, text, _ = _run(capsys, "check", src, out)
+    assert rc == 0 and ": PASS (" in text.splitlines()[0] and "not judged" not in text, text
+    assert "points uniform over [0, 1024) (pixel coordinates)" in text
+
+
 def test_users_data_is_judged_even_where_it_is_out_of_range(points, tmp_path, capsys):
     """The user's data is the domain: it is judged as usual, with a warning that the
     yardsticks move that output by more than its spread."""
     src, out, _ = points
     near_origin = str(tmp_path / "n01.npz")
-    np.savez(near_origin, points=np.random.default_rng(3).standard_normal((1, 64, 2)).astype(np.float32))
+    np.savez(near_origin, prompt=np.random.default_rng(3).standard_normal((1, 64, 2)).astype(np.float32))
     rc, text, _ = _run(capsys, "check", src, out, "--data", near_origin)
     assert rc == 0 and ": PASS (" in text.splitlines()[0], text
     assert "warning: score: on your data the yardsticks alone move it by more than its own spread" in text
