@@ -86,6 +86,9 @@ class Options:
                                                 and not isinstance(o.island_trials, bool) and o.island_trials >= 0):
             raise GraphmpError(f"--island-trials must be a whole number >= 0 (0: no FP32 island is measured for its "
                                f"Casts), not {o.island_trials}")
+        if o.island_trials and o.plan is not None:
+            raise GraphmpError("--island-trials has nothing to measure with --plan: the plan file decides every "
+                               "node's precision; leave one of them out")
         if o.search_time is not None and not (isinstance(o.search_time, (int, float)) and o.search_time > 0):
             raise GraphmpError(f"--search-time must be a number of seconds > 0, not {o.search_time}")
         if o.max_error is not None:

@@ -378,7 +378,10 @@ def verify(ctx) -> PassResult:
     done = ctx.report.get("search", {})
     batches = ctx.batches[:MAX_SEARCH_BATCHES + 1]
     cuda = _verify_on_cuda(ctx, batches, budget)
-    if done.get("evaluations") == 1 and not done.get("fp32_regions"):
+    islands_moved = bool(ctx.report.get("islands", {}).get("accepted"))
+    if islands_moved:  # the islands step (after the search) moved nodes: the range rule's list as written
+        done["given_back"] = _given_back(ctx)
+    if done.get("evaluations") == 1 and not done.get("fp32_regions") and not islands_moved:
         # the static plan met the budget and nothing moved: its one evaluation measured
         # this model already (test_search holds the switchable model equal to the
         # emulation), and a second run would double the time of a plain conversion
