@@ -37,7 +37,7 @@ Steps (STEPS), in order:
                Conv/MatMul/Gemm x BYTES_PER_FLOP (a conv on a 3-channel image between
                the FP32 input and an FP32 island), and all merges together give up at
                most MERGE_FLOPS_SHARE of the model's Conv/MatMul FLOPs. Those that fit it
-               are also one group (one run where a 720x720 run takes 2 s of the 6);
+               are also one group (one run instead of one per merge);
   4. measure:  candidates saving at least MIN_SHARE of the model's Cast bytes (and
                MIN_TRAFFIC of what its activations move), the --island-trials that save most,
                merges first, each tried on top of those accepted before it: one emulated run
@@ -49,7 +49,8 @@ Steps (STEPS), in order:
                accurate. With --max-error the trials run on the search's batches (and its
                perturbed copy), in its metric, and a candidate is accepted where every
                output stays within the budget (or within its error in the search's plan,
-               where the budget was out of reach): the search's plan priced for its Casts. Merges go first because each makes more of the model FP32, and the
+               where the budget was out of reach): the search's plan priced for its Casts.
+               Merges go first because each makes more of the model FP32, and the
                error it takes away may pay for a drop after it. A group that is refused is
                tried again as two halves (graph order), so the islands that buy accuracy are
                found and kept and the rest go FP16. A merge exists to save the Casts of the
@@ -110,8 +111,8 @@ AUTO_MAX_WEIGHT_BYTES = 256 * 2 ** 20
 # seconds gave the mosaic style transfer 30 Casts (586.8 MB per inference) on a loaded
 # 2-core machine and 2 Casts (40.1 MB) on an idle one. A run of that net at 720x720 on its
 # two generated batches is 1.6e11; it needs 3 runs (paint's plan, its merges, its fifteen
-# InstanceNorms), which took 1.2 s each on an idle 2-core CPU. 1e12 allows it 6, a
-# BERT-base-sized model (~1e11 a run at 128 tokens) all 8 trials.
+# InstanceNorms), which took 1.2 s each on an idle 2-core CPU. 1e12 allows it 6 runs; a
+# model of 1e11 or less a run gets all AUTO_TRIALS.
 AUTO_WORK = 1.0e12
 LOW_BYTES, FP32_BYTES = 2, 4
 MERGED = ("islands: merged with its FP32 neighbours (its Casts moved {mb:.3g} MB per inference, more than its "
@@ -374,7 +375,7 @@ def _unworthy(plans: _Plans, c: Candidate, saved: float, total: float, merged_fl
 def _merge_group(plans: _Plans, merges: list, total: float) -> list[Candidate]:
     """The merges worth measuring, most bytes first while their FLOPs fit MERGE_FLOPS_SHARE,
     as one candidate (where there are two or more): one run instead of one per merge, where
-    a run of a 720x720 style-transfer net takes 2 s of the step's 6."""
+    a run of a 720x720 style-transfer net is a sixth of the step's AUTO_WORK."""
     parts, flops = [], 0.0
     for c in sorted(merges, key=lambda c: -c.saved):
         if flops + c.flops <= MERGE_FLOPS_SHARE * plans.model_flops:
@@ -505,15 +506,14 @@ def _work_trials(ctx, plans: _Plans, batches: int) -> tuple[int, str]:
 
 
 def _measure_all(ctx, plans: _Plans, m: _Measure, chosen: list, state: dict, total: float, trials: list,
-                 limits: tuple) -> list:
-    """Step 4 over the chosen candidates, in order, at most `limits` = (trials, why no
-    more: _work_trials; --search-time's deadline on time.perf_counter() or None). A group
+                 limit: tuple, deadline: float | None) -> list:
+    """Step 4 over the chosen candidates, in order, at most limit = (trials, why no more:
+    _work_trials) and, with --search-time, until `deadline` (time.perf_counter()). A group
     that buys accuracy is split in halves, tried next (one island in fifteen that matters
     costs about 2 x log2(15) runs to find, and the other fourteen go FP16). Returns the
     accepted drops and the merges no drop undid, as (candidate, record) pairs; every
     decision goes into `trials`."""
-    (limit, spent), deadline = limits[0], limits[1]
-    queue, accepted = list(chosen), []  # accepted: drops
+    (limit, spent), queue, accepted = limit, list(chosen), []  # accepted: drops
     while queue:
         c = queue.pop(0)
         if c.nodes <= (state["freed"] if c.kind == "drop" else state["merged"]):
@@ -562,7 +562,7 @@ def run(ctx) -> PassResult:
     state = {"freed": frozenset(), "merged": frozenset(), "merges": [], "low": plans.base, "bytes": total,
              "errors": m.errors(plans.base)}
     state["paint_errors"] = state["errors"]
-    accepted = _measure_all(ctx, plans, m, chosen, state, total, details["trials"], (limit, deadline))
+    accepted = _measure_all(ctx, plans, m, chosen, state, total, details["trials"], limit, deadline)
     _commit(ctx, plans, state, accepted)
     details.update(cast_bytes_after=state["bytes"], errors_paint=state["paint_errors"], errors_after=state["errors"],
                    runs=m.runs, accepted=len(accepted), seconds=round(time.perf_counter() - t0, 3))
