@@ -41,7 +41,7 @@ accuracy budget (--max-error):
   one is held back; the plan must also hold on a perturbed copy of the first (shifted one
   step, x1.01). Progress every 2 s; --search-time S stops with the best plan so far (the
   plan then depends on the machine). The measured islands then run on the search's plan,
-  kept only where every output stays within the budget. The
+  kept only where every output stays within 2/3 of the budget. The
   report lists every node the search kept FP32, the error it removed and its share of
   the compute, and the error per batch.
 
@@ -91,7 +91,7 @@ def add(sub):
                    help="measure up to N FP32 islands (or groups of them, or FP16 segments between FP32 work) whose "
                         "Casts move the most bytes: an island goes FP16, a segment FP32, only where no output's error "
                         "on the calibration batches exceeds its error in the plan without trials (with --max-error: "
-                        "stays within the budget, after the search). Default: 8 for a model whose weights are at most "
+                        "stays within 2/3 of the budget, after the search). Default: 8 for a model whose weights are at most "
                         "256 MB, else 0, as each trial runs an emulated copy of the model, and fewer where 8 would be "
                         "more than 1e12 FLOP-equivalents of emulated runs: a budget in work, so the plan is the same "
                         "on any machine; 0: off; refused with --plan)")

@@ -48,8 +48,8 @@ Steps (STEPS), in order:
                plan that comes out moves fewer bytes than paint's and no output is less
                accurate. With --max-error the trials run on the search's batches (and its
                perturbed copy), in its metric, and a candidate is accepted where every
-               output stays within the budget (or within its error in the search's plan,
-               where the budget was out of reach): the search's plan priced for its Casts.
+               output stays within BUDGET_SHARE of the budget (or within its error in the
+               search's plan, where that is higher): the search's plan priced for its Casts.
                Merges go first because each makes more of the model FP32, and the
                error it takes away may pay for a drop after it. A group that is refused is
                tried again as two halves (graph order), so the islands that buy accuracy are
@@ -82,6 +82,12 @@ FACTOR = 1.0
 # ... or must leave it below 2^-20 of the output's scale: 1/500 of an FP16 rounding, what
 # FP32 summation order alone changes (an output computed in FP32 has error 0 or ~1e-7).
 FLOOR = 2.0 ** -20
+# With --max-error a trial may take an output to at most this share of its budget (or to
+# its error in the search's plan, where that is higher): the search chose its plan to hold
+# on inputs it never saw, and a plan at 1.0 x budget on the calibration batches reached
+# 1.5-1.7 x on unseen pages (issue 35); the island trials, which save Casts and buy no
+# accuracy, leave that margin to the search.
+BUDGET_SHARE = 2 / 3
 MIN_SHARE = 0.10        # a candidate must save this share of the model's Cast bytes to be measured,
 MIN_TRAFFIC = 0.01      # and this share of the bytes its float activations move (written once, 4 bytes
                         # each): Casts a style-transfer net hardly notices are not worth emulated runs
@@ -342,9 +348,10 @@ class _Measure:
 
 def within(new: dict, old: dict, budget=None) -> bool:
     """Every output's error at most FACTOR x before, or below FLOOR; with a --max-error
-    budget (graphmp.budget.Budget), at most its allowed error or its error before."""
+    budget (graphmp.budget.Budget), at most BUDGET_SHARE of its allowed error or its error
+    before."""
     if budget is not None:
-        return all(e <= max(budget.allowed.get(k, float("inf")), old.get(k, 0.0)) or e <= FLOOR
+        return all(e <= max(BUDGET_SHARE * budget.allowed.get(k, float("inf")), old.get(k, 0.0)) or e <= FLOOR
                    for k, e in new.items())
     return all(e <= FACTOR * old.get(k, 0.0) or e <= FLOOR for k, e in new.items())
 
@@ -447,11 +454,12 @@ def _try(plans: _Plans, m: _Measure, c: Candidate, state: dict, total: float) ->
     rec.update(errors_before=state["errors"], errors_after=err)
     yard, budget = state["paint_errors"], m.ctx.search_budget
     if budget is not None:  # what each output may reach: its budget, or its error in the search's plan
-        yard = {k: max(budget.allowed.get(k, 0.0), e) for k, e in yard.items()}
+        yard = {k: max(BUDGET_SHARE * budget.allowed.get(k, 0.0), e) for k, e in yard.items()}
     worst = max(err, key=lambda k: err[k] / yard[k] if yard.get(k) else 0.0, default=None)
     if within(err, state["paint_errors"], budget):
         rec["decision"] = ("FP32: its Casts cost more than its FP16 work saves" if c.kind == "merge" else
-                           "FP16: without it every output stays within --max-error" if budget is not None else
+                           f"FP16: without it every output stays within {BUDGET_SHARE:.2g} x --max-error"
+                           if budget is not None else
                            "FP16: without it no output's error exceeds paint's plan's")
         rec["error_ratio"] = max((e / state["errors"][k] for k, e in err.items() if state["errors"].get(k)),
                                  default=1.0)
