@@ -214,6 +214,7 @@ def _search_line(s: dict) -> str:
     def num(x):
         return "not measured" if x is None else f"{x:.3g}"
     met = {True: "met", False: "NOT met"}.get(s["reached"], "not measured")
+    met += " (the written model, after the island trials)" if s.get("after_islands") else ""
     stopped = " (--search-time ran out: best plan so far)" if s.get("out_of_time") else ""
     return (head + f"{met}{stopped}, error {num(s['error'])} x budget{held} (static plan "
             f"{num(s.get('error_static_plan'))}); floor {floor:.3g}; {len(s['fp32_regions'])} regions kept FP32 "
