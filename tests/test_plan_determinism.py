@@ -85,3 +85,23 @@ def test_search_time_is_said_to_make_the_plan_machine_dependent(tmp_path, capsys
     assert rc == 0 and "plan: depends on this machine: --search-time 600 s did not run out here" in out
     rc, out, _ = _run(["convert", src, "-o", str(tmp_path / "b.onnx"), "--calibration", *cal], capsys)
     assert rc == 0 and "depends on this machine" not in out
+
+
+def test_the_cast_bytes_a_budget_needs_are_named(tmp_path, capsys):
+    """Where --max-error keeps nodes FP32 (the +-200 round trip that FP16 destroys), the
+    report says which nodes the budget keeps, why, and what their Casts cost."""
+    from test_search import _batches, cancellation_mlp
+    src = tmp_path / "m.onnx"
+    onnx.save(cancellation_mlp(), src)
+    cal = []
+    for i, b in enumerate(_batches()):
+        cal.append(str(tmp_path / f"b{i}.npz"))
+        np.savez(cal[-1], **b)
+    report = tmp_path / "r.json"
+    assert _run(["convert", str(src), "-o", str(tmp_path / "o.onnx"), "--calibration", *cal, "--max-error", "1e-3",
+                 "--report", str(report), "-q"], capsys)[0] == 0
+    d = json.load(open(report))
+    kept = {n for r in d["search"]["fp32_regions"] for n in r["nodes"]}
+    assert {"add200", "sub200"} & kept  # which nodes; why: the error each region causes alone in FP16
+    assert max(r["error_alone"] for r in d["search"]["fp32_regions"]) > 1
+    assert d["islands"]["search_kept_fp32"] == len(kept) and d["islands"]["cast_bytes_search_kept"] > 0

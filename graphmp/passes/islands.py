@@ -498,6 +498,15 @@ def _commit(ctx, plans: _Plans, state: dict, accepted: list) -> None:
     ctx.lowered |= state["low"]
 
 
+def _searched(ctx, plans: _Plans, total: float) -> dict:
+    """The Cast bytes the --max-error search's FP32 nodes (main graph) cost: the plan's bytes
+    less those of the same plan with them lowered again; the report names them and why
+    (report["search"]["fp32_regions"]: the error each region causes alone)."""
+    kept = {n for n in plans.g.nodes if (ctx.info[n].reason or "").startswith("search:")}
+    return {"search_kept_fp32": len(kept),
+            "cast_bytes_search_kept": total - plans.cast_bytes(plans.base | kept) if kept else 0.0}
+
+
 def _work_trials(ctx, plans: _Plans, batches: int) -> tuple[int, str]:
     """(trials allowed, why no more): --island-trials N, or AUTO_TRIALS within AUTO_WORK
     (the first run, of the plan the trials start from, counts too). The same model,
@@ -556,7 +565,7 @@ def run(ctx) -> PassResult:
     total = plans.cast_bytes(plans.base)
     details = {"cast_bytes_before": total, "factor": FACTOR, "floor": FLOOR, "min_share": MIN_SHARE, "trials": []}
     if ctx.search_budget is not None:
-        details["yardstick"] = "the --max-error budget, on the search's plan and batches"
+        details.update(yardstick="the --max-error budget, on the search's plan and batches", **_searched(ctx, plans, total))
     chosen = _chosen(plans, total, trial_limit(ctx)) if total else []
     if not chosen:
         details.update(cast_bytes_after=total, runs=0, seconds=round(time.perf_counter() - t0, 3))
