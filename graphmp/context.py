@@ -32,7 +32,8 @@ class Options:
     strict: bool = False                # --strict: a budget not met is a failure
     plan: object = None                 # --plan: a saved plan (path; convert() loads and checks it), no search
     save_plan: str | None = None        # --save-plan: write the precisions decided as a plan file
-    search_time: float | None = None    # --search-time: seconds the --max-error search may take
+    search_time: float | None = None    # --search-time: seconds for the search and the island trials
+                                        # (a limit in seconds: the plan then depends on the machine)
     validate: bool = False
     atol: float | None = None           # --validate: an element-wise criterion on top of the budget
     rtol: float | None = None

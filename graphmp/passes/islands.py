@@ -565,7 +565,8 @@ def run(ctx) -> PassResult:
     total = plans.cast_bytes(plans.base)
     details = {"cast_bytes_before": total, "factor": FACTOR, "floor": FLOOR, "min_share": MIN_SHARE, "trials": []}
     if ctx.search_budget is not None:
-        details.update(yardstick="the --max-error budget, on the search's plan and batches", **_searched(ctx, plans, total))
+        details.update(yardstick="the --max-error budget, on the search's plan and batches",
+                       **_searched(ctx, plans, total))
     chosen = _chosen(plans, total, trial_limit(ctx)) if total else []
     if not chosen:
         details.update(cast_bytes_after=total, runs=0, seconds=round(time.perf_counter() - t0, 3))
