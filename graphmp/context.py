@@ -35,7 +35,8 @@ class Options:
     strict: bool = False                # --strict: a budget not met is a failure
     plan: object = None                 # --plan: a saved plan (path; convert() loads and checks it), no search
     save_plan: str | None = None        # --save-plan: write the precisions decided as a plan file
-    search_time: float | None = None    # --search-time: seconds the --max-error search may take
+    search_time: float | None = None    # --search-time: seconds for the search and the island trials
+                                        # (a limit in seconds: the plan then depends on the machine)
     validate: bool = False
     atol: float | None = None           # --validate: an element-wise criterion on top of the budget
     rtol: float | None = None
@@ -93,6 +94,9 @@ class Options:
                                                 and not isinstance(o.island_trials, bool) and o.island_trials >= 0):
             raise GraphmpError(f"--island-trials must be a whole number >= 0 (0: no FP32 island is measured for its "
                                f"Casts), not {o.island_trials}")
+        if o.island_trials and o.plan is not None:
+            raise GraphmpError("--island-trials has nothing to measure with --plan: the plan file decides every "
+                               "node's precision; leave one of them out")
         if o.search_time is not None and not (isinstance(o.search_time, (int, float)) and o.search_time > 0):
             raise GraphmpError(f"--search-time must be a number of seconds > 0, not {o.search_time}")
         if o.max_error is not None:

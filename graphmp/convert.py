@@ -88,15 +88,15 @@ PIPELINE = [
          gives=("info", "weight_rounding", "range_candidates")),
     # which nodes run in the low type
     Step("paint", paint.run, needs=("info",), gives=("lowered",)),
-    # FP32 islands whose Casts cost more than the accuracy they buy (measured), and FP16
-    # groups whose Casts cost more than their Tensor Core work
-    Step("islands", islands.run, needs=("info", "lowered", "batches", "batch_outputs", "shapes", "low_io"),
-         gives=("lowered",),
-         when=_trialing),
     # --max-error: fewest FP32 nodes within budget (not with --plan)
     Step("search", plan_file.unless_plan(search.run),
          needs=("info", "lowered", "batches", "batch_outputs", "range_candidates"),
          gives=("search_budget", "search_refs"), when=_searching),
+    # FP32 islands whose Casts cost more than the accuracy they buy (measured), and FP16
+    # groups whose Casts cost more than their Tensor Core work; after the search, so that
+    # a --max-error plan is priced for its Casts too (yardstick: the budget)
+    Step("islands", islands.run, needs=("info", "lowered", "batches", "batch_outputs", "shapes", "low_io"),
+         gives=("lowered",), when=_trialing),
     # --plan: the saved precisions; --save-plan: node keys
     Step("plan", plan_file.run, needs=("info", "lowered", "batches"), gives=("plan",), when=_planning),
     # Casts, converted weights
@@ -185,6 +185,8 @@ class ConvertReport:
             lines.append(_search_line(d["search"]))
         if d.get("plan"):
             lines.append(plan_file.summary_line(d["plan"]))
+        if d.get("plan_depends_on_machine"):
+            lines.append(f"  plan: depends on this machine: {d['plan_depends_on_machine']}")
         if d["fp32_by_reason"]:
             lines.append("  kept FP32:")
             for reason, count in d["fp32_by_reason"].items():
@@ -222,6 +224,7 @@ def _search_line(s: dict) -> str:
     def num(x):
         return "not measured" if x is None else f"{x:.3g}"
     met = {True: "met", False: "NOT met"}.get(s["reached"], "not measured")
+    met += " (the written model, after the island trials)" if s.get("after_islands") else ""
     stopped = " (--search-time ran out: best plan so far)" if s.get("out_of_time") else ""
     return (head + f"{met}{stopped}, error {num(s['error'])} x budget{held} (static plan "
             f"{num(s.get('error_static_plan'))}); floor {floor:.3g}; {len(s['fp32_regions'])} regions kept FP32 "
@@ -401,12 +404,27 @@ def _finish_report(ctx):
     report["timings"]["cast_traffic"] = round(time.perf_counter() - t_casts, 4)
     report["weight_bytes_after"] = model_weight_bytes(model) - _deferred_bytes(model)
     report["warnings"] = ctx.warnings
+    if opts.search_time:  # the only limit in seconds: without it the same inputs and options give the same bytes
+        report["plan_depends_on_machine"] = _clock_note(opts.search_time, report)
     meta = model.metadata_props.add()
     from .session import cuda_options
     meta.key, meta.value = MARK_KEY, json.dumps({"version": __version__, "target": opts.target,
                                                  "keep_io_types": opts.keep_io_types,
                                                  "cache_io": (ctx.report.get("kv_cache") or {}).get("io"),
                                                  "ort_cuda_options": cuda_options(ctx)})  # for graphmp.session()
+
+
+def _clock_note(seconds: float, report: dict) -> str:
+    """What --search-time did, in words: whether it stopped the search or the island trials
+    here, and that a limit in seconds makes the plan depend on the machine's speed and load."""
+    cut = [what for what, ran_out in (("the search", report.get("search", {}).get("out_of_time")),
+                                      ("the island trials", any("--search-time" in t["decision"] for t in
+                                                                report.get("islands", {}).get("trials", []))))
+           if ran_out]
+    return (f"--search-time {seconds:g} s " + (f"stopped {' and '.join(cut)}" if cut else
+            "did not run out here, but may on a slower or busier machine")
+            + "; a limit in seconds gives another plan on a slower or busier machine (without it, the same "
+            "inputs and options write the same model anywhere)")
 
 
 def _in_memory(ctx, src, low: LowConverter, t0: float) -> ConvertReport:

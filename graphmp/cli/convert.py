@@ -47,7 +47,9 @@ accuracy budget (--max-error):
   most-FP16 plan: nodes only the range rule keeps FP32 (|x| up to 4094) start in FP16 and
   stay there where the error allows ("given back"). With two batches or more the last
   one is held back; the plan must also hold on a perturbed copy of the first (shifted one
-  step, x1.01). A progress line every 2 s (on a terminal, or with -v); --search-time S stops with the best plan so far. The
+  step, x1.01). A progress line every 2 s (on a terminal, or with -v); --search-time S stops with the best plan so far (the
+  plan then depends on the machine). The measured islands then run on the search's plan,
+  kept only where every output stays within 2/3 of the budget. The
   report lists every node the search kept FP32, the error it removed and its share of
   the compute, and the error per batch.
 
@@ -102,9 +104,11 @@ def add(sub):
     c.add_argument("--island-trials", type=int, default=None, metavar="N",
                    help="measure up to N FP32 islands (or groups of them, or FP16 segments between FP32 work) whose "
                         "Casts move the most bytes: an island goes FP16, a segment FP32, only where no output's error "
-                        "on the calibration batches exceeds its error in the plan without trials (default: 8 within "
-                        "6 s for a model whose weights are at most 256 MB, else 0, as each trial runs an emulated "
-                        "copy of the model; 0: off; not with --max-error or --plan)")
+                        "on the calibration batches exceeds its error in the plan without trials (with --max-error: "
+                        "stays within 2/3 of the budget, after the search). Default: 8 for a model whose weights are at most "
+                        "256 MB, else 0, as each trial runs an emulated copy of the model, and fewer where 8 would be "
+                        "more than 1e12 FLOP-equivalents of emulated runs: a budget in work, so the plan is the same "
+                        "on any machine; 0: off; refused with --plan)")
     _add_budget(c)
     add_external_data(c, "when the input had external data or >1.8 GB")
     add_report(c, "write the full report (every FP32 node and why) as JSON")
@@ -131,9 +135,11 @@ def _add_budget(c):
                "argmax = fraction of class predictions that change (class-score outputs)")
     c.add_argument("--strict", action="store_true", help="exit 1 when --max-error (or the budget of --plan) cannot "
                    "be met (default: write the best model found and warn)")
-    c.add_argument("--search-time", type=float, metavar="S", help="--max-error: stop the search after about S "
-                   "seconds and write the best plan found so far (said in the summary and the report; the written "
-                   "model is then measured again). Default: no limit; the search prints its progress")
+    c.add_argument("--search-time", type=float, metavar="S", help="stop the --max-error search after about S "
+                   "seconds and write the best plan found so far (the written model is then measured again), and the "
+                   "island trials after S seconds. A limit in seconds makes the plan depend on the machine's speed "
+                   "and load (said in the summary and the report). Default: no limit, and the same inputs and "
+                   "options write the same model on any machine")
 
 
 def _add_plans(c):

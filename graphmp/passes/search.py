@@ -34,7 +34,10 @@ Steps (1 in passes/regions.py, 2 in passes/switchable.py):
      error per batch is reported.
 --search-time S: past S seconds no new plan is measured; the cheapest plan measured
 within budget so far is kept (or every region FP32), said in the report and a warning,
-and verify measures the written model.
+and verify measures the written model. Without it the search is bounded by evaluations
+alone (the regions' count, GIVE_BACK, SPLIT), so its plan does not depend on the machine.
+The measured islands (passes/islands.py) run after it, on its plan, within the budget;
+verify then measures the written model, and its error is the search's verdict.
 """
 from __future__ import annotations
 
@@ -379,7 +382,10 @@ def verify(ctx) -> PassResult:
     done = ctx.report.get("search", {})
     batches = ctx.batches[:MAX_SEARCH_BATCHES + 1]
     cuda = _verify_on_cuda(ctx, batches, budget)
-    if done.get("evaluations") == 1 and not done.get("fp32_regions"):
+    islands_moved = bool(ctx.report.get("islands", {}).get("accepted"))
+    if islands_moved:  # the islands step (after the search) moved nodes: the range rule's list as written
+        done["given_back"] = _given_back(ctx)
+    if done.get("evaluations") == 1 and not done.get("fp32_regions") and not islands_moved:
         # the static plan met the budget and nothing moved: its one evaluation measured
         # this model already (test_search holds the switchable model equal to the
         # emulation), and a second run would double the time of a plain conversion
@@ -390,6 +396,9 @@ def verify(ctx) -> PassResult:
     emu = emulated_runner(ctx.model, ctx.base_dir)
     errs = errors(ctx.search_refs, [emu(x) for x in batches], budget.metric)
     details = {"verified": {"errors": errs, "normalized": budget.normalized(errs)}, **cuda}
+    if islands_moved:  # the island trials changed the search's plan: the written model's error is the verdict
+        details.update(error=details["verified"]["normalized"], reached=details["verified"]["normalized"] <= 1,
+                       after_islands=True)
     if done.get("out_of_time"):  # the search stopped early: the written model's error is the verdict
         details.update(error=details["verified"]["normalized"], reached=details["verified"]["normalized"] <= 1)
         if not details["reached"]:
