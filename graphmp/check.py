@@ -34,7 +34,7 @@ from .errors import GraphmpError, first_line
 from .budget import DEFAULT, as_tensor, measure, output_error, parse
 from .emulate import emulated_runner
 from .inputs import find_shapes, input_specs, user_batches
-from .model_io import load_model
+from .model_io import load_model, load_with_weights
 from .model_runs import cuda_available, run_reference, runner
 from .session import CUDA, ran_on
 
@@ -397,7 +397,7 @@ def _run_batches(ref, converted, batches: list, runs: _Runs, oracle: str, warnin
 
 def _in_memory(m):
     """The model as a ModelProto with its weights: the reference evaluator needs them in memory."""
-    return m if isinstance(m, onnx.ModelProto) else onnx.load(os.fspath(m))
+    return m if isinstance(m, onnx.ModelProto) else load_with_weights(m)
 
 
 def _reference_outputs(ref, converted, feeds: dict, want: dict, warnings: list) -> dict | None:

@@ -62,12 +62,10 @@ def tensor_array(t: TensorProto, base_dir: str) -> np.ndarray:
         return onnx.numpy_helper.to_array(t)
     dtype = np_dtype(t.data_type)
     count = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1
-    path, offset, length = external_file(t, base_dir, tensor_nbytes(t))
-    with open(path, "rb") as f:
-        f.seek(offset)
-        buf = f.read(length)
+    checked, offset, length = external_file(t, base_dir, tensor_nbytes(t))
+    buf = checked.read(offset, length)  # through the descriptor checked at load, never the path again
     if len(buf) != count * dtype.itemsize:
-        raise GraphmpError(f"{path}: external data for tensor '{t.name}' is truncated "
+        raise GraphmpError(f"{checked.loc}: external data for tensor '{t.name}' is truncated "
                            f"(wanted {count * dtype.itemsize} bytes at offset {offset}, got {len(buf)}). "
                            "Copy the complete .data file next to the model.")
     return np.frombuffer(buf, dtype=dtype).reshape(tuple(t.dims))
@@ -105,6 +103,19 @@ def load_model(path: str, by_reference: bool = False) -> onnx.ModelProto:
     except GraphmpError as e:
         raise GraphmpError(f"{path}: {e}") from None
     check_schemas(model, path)
+    return model
+
+
+def load_with_weights(path) -> onnx.ModelProto:
+    """The model at `path` with every weight in memory (what onnx.load gives, for the
+    reference evaluator and graph rewrites that need the values), read through the
+    checked descriptors (graphmp.paths), never by a path the model names."""
+    path = os.fspath(path)
+    model = load_model(path, by_reference=True)
+    base = os.path.dirname(os.path.abspath(path))
+    for g in iter_graphs(model.graph):
+        for t in g.initializer:
+            materialize(t, base, None)
     return model
 
 

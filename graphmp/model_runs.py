@@ -28,6 +28,8 @@ import os
 import numpy as np
 import onnx
 
+from .paths import in_memory_files
+
 
 def oracle_ops() -> list:
     """The reference op overrides (graphmp.reference_ops; imported on first use, since
@@ -38,7 +40,8 @@ def oracle_ops() -> list:
 
 
 def ort_session(model, providers=None, base_dir=None, optimize=True, in_node_order=False):
-    """An InferenceSession of a ModelProto (external data read from base_dir) or a path.
+    """An InferenceSession of a ModelProto (external data read from base_dir, through the
+    descriptors graphmp checked) or a path (loaded with graphmp.model_io.load_model).
     in_node_order: execute in the order of the node list where the graph allows
     (PRIORITY_BASED), not ONNX Runtime's default reverse-DFS order, which runs a chain to
     the model's output before side branches such as calibration's per-tensor reductions
@@ -51,11 +54,21 @@ def ort_session(model, providers=None, base_dir=None, optimize=True, in_node_ord
     if in_node_order and hasattr(ort, "ExecutionOrder"):
         so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     providers = providers or ["CPUExecutionProvider"]
-    if isinstance(model, onnx.ModelProto):
-        if base_dir:
-            so.add_session_config_entry("session.model_external_initializers_file_folder_path", base_dir)
+    if not isinstance(model, onnx.ModelProto):
+        from .model_io import load_model  # a path: its weights are read as any model's are
+        base_dir = os.path.dirname(os.path.abspath(os.fspath(model)))
+        model = load_model(os.fspath(model), by_reference=True)
+    # ONNX Runtime never opens a data file by path: it is given the checked descriptors'
+    # contents (graphmp.paths.in_memory_files), so a file swapped after the check is not read
+    names, maps = in_memory_files(model, base_dir) if base_dir else ([], [])
+    try:
+        if names:
+            so.add_external_initializers_from_files_in_memory(names, maps, [len(m) for m in maps])
         return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
-    return ort.InferenceSession(os.fspath(model), so, providers=providers)
+    finally:
+        for m in maps:
+            if not isinstance(m, bytes):
+                m.close()
 
 
 def runner(model, providers=None, base_dir=None, optimize=True):
@@ -81,7 +94,8 @@ def run_reference(model, feeds: dict) -> dict:
     (float64 math, outputs rounded once: see the module docstring)."""
     from onnx.reference import ReferenceEvaluator
     if not isinstance(model, onnx.ModelProto):
-        model = onnx.load(os.fspath(model))
+        from .model_io import load_with_weights
+        model = load_with_weights(model)
     ev = ReferenceEvaluator(model, new_ops=oracle_ops())
     wanted = set(ev.input_names)
     with np.errstate(all="ignore"):  # FP16 overflow is a result here, reported by the caller

@@ -1,0 +1,121 @@
+"""Untrusted input, round 2 (issue 36): a data file swapped after its check is never read,
+only data files graphmp wrote are ever removed, one process per run folder, bounded reads
+of .npz data files, and deeply nested run-folder JSON is one line."""
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import graphmp.model_io
+from graphmp.cli import main
+
+N = 64  # W is [N, N] FP32: 16 KiB, over wire.BY_REFERENCE_MIN, so it is read after the load, not inlined at it
+MARK = b"GRAPHMP-SECRET-MARKER-0123456789"
+
+
+def _one_error(rc, err, *needles):
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("graphmp: error:"), err
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def _external_model(folder, weights):
+    """folder/model.onnx: x[1,N] @ W -> y, W in folder/w.data."""
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, N])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, N])],
+                          [onnx.numpy_helper.from_array(weights, "W")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    path = os.path.join(folder, "model.onnx")
+    onnx.save(m, path, save_as_external_data=True, all_tensors_to_one_file=True, location="w.data",
+              size_threshold=0)
+    return path
+
+
+def _files_holding(root, needle):
+    found = []
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            if f != "secret.bin" and os.path.isfile(p) and not os.path.islink(p) and needle in open(p, "rb").read():
+                found.append(p)
+    return found
+
+
+@pytest.fixture
+def swapped_after_load(tmp_path, monkeypatch):
+    """A model in tmp/m/ whose w.data is replaced by a symlink to tmp/secret.bin right after
+    graphmp's load has checked it (the race made deterministic: the hook runs where a sync
+    client or a second user could act, before any weight is read for work)."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "secret.bin").write_bytes(MARK * (N * N * 4 // len(MARK)))
+    w = np.random.default_rng(0).standard_normal((N, N)).astype(np.float32) * 0.1
+    src = _external_model(str(tmp_path / "m"), w)
+    data = str(tmp_path / "m" / "w.data")
+    real_inline = graphmp.model_io._inline_small_external
+    swapped = []
+
+    def inline_then_swap(model, base):
+        real_inline(model, base)
+        if not swapped and os.path.realpath(base) == os.path.realpath(tmp_path / "m"):
+            os.unlink(data)  # the checked file is gone from the folder; its open descriptor is not
+            os.symlink(tmp_path / "secret.bin", data)
+            swapped.append(True)
+
+    monkeypatch.setattr(graphmp.model_io, "_inline_small_external", inline_then_swap)
+    return tmp_path, src, w, swapped
+
+
+@pytest.mark.parametrize("command", ["convert", "convert-external", "convert-no-cal", "pad-external", "check",
+                                     "train-graph"])
+def test_a_data_file_swapped_after_the_check_is_never_read(swapped_after_load, capsys, command):
+    root, src, w, swapped = swapped_after_load
+    out = str(root / "out" / ("run" if command == "train-graph" else "o.onnx"))
+    os.mkdir(root / "out")
+    ref = str(root / "ref.onnx")
+    if command == "check":  # the converted model first (no swap yet: its load is the one hooked)
+        onnx.save(onnx.load(src), ref)
+    args = {"convert": ["convert", src, "-o", out, "-q"],
+            "convert-external": ["convert", src, "-o", out, "-q", "--external-data"],
+            "convert-no-cal": ["convert", src, "-o", out, "-q", "--no-calibration", "--external-data"],
+            "pad-external": ["pad", src, "-o", out, "-q", "--multiple", "8", "--external-data"],
+            "check": ["check", src, ref, "--json", str(root / "out" / "r.json")],
+            "train-graph": ["train-graph", src, "-o", out, "--loss", "mse"]}[command]
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert swapped, "the hook never ran: the test proves nothing"
+    if command == "check" and rc == 2:  # check loads the model again for each run: that load sees the swap
+        _one_error(rc, err, "outside the model's folder")
+    else:
+        assert rc == 0, err  # the weights checked at load are the ones used
+    assert not _files_holding(root / "out", MARK[:16])
+    if command == "pad-external":  # the output holds the checked weights, bit for bit
+        got = onnx.numpy_helper.to_array(onnx.load(out).graph.initializer[0])
+        np.testing.assert_array_equal(got, w)
+
+
+def test_a_data_file_replaced_by_another_file_is_refused_on_reopening(tmp_path, capsys):
+    """A descriptor closed (more data files than graphmp keeps open) and reopened must name
+    the very file checked at load: (st_dev, st_ino) compared."""
+    import graphmp.paths as paths
+    (tmp_path / "m").mkdir()
+    src = _external_model(str(tmp_path / "m"), np.ones((N, N), np.float32))
+    model = graphmp.model_io.load_model(src)
+    t = model.graph.initializer[0]
+    os.rename(tmp_path / "m" / "w.data", tmp_path / "old.data")
+    (tmp_path / "m" / "w.data").write_bytes(MARK * (N * N * 4 // len(MARK)))
+    key = (os.path.realpath(tmp_path / "m"), "w.data")
+    os.close(paths._OPEN.pop(key).fd)  # as MAX_OPEN's eviction does
+    with pytest.raises(graphmp.model_io.GraphmpError, match="replaced by another file after graphmp checked it"):
+        graphmp.model_io.tensor_array(t, str(tmp_path / "m"))
+
