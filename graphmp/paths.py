@@ -303,10 +303,11 @@ def check_external(model, base_dir: str, tensor_nbytes) -> None:
             external_file(t, base_dir, tensor_nbytes(t))
 
 
-def data_files(model, base_dir: str | None) -> list[str]:
+def data_files(model, base_dir: str | None, inputs: bool = True) -> list[str]:
     """The real paths of the files the model's external tensors name (unchecked: for
     refusing outputs that would overwrite them; a bad location is skipped here and
-    refused by external_file)."""
+    refused by external_file). inputs: remember them as this process's inputs (never
+    deleted); False for a model graphmp is about to replace, not read."""
     if base_dir is None:
         return []
     base_real = os.path.realpath(base_dir)
@@ -319,7 +320,8 @@ def data_files(model, base_dir: str | None) -> list[str]:
             real = os.path.realpath(os.path.join(base_real, loc))
             if real not in out:
                 out.append(real)
-    note_inputs(out)
+    if inputs:
+        note_inputs(out)
     return out
 
 

@@ -119,3 +119,67 @@ def test_a_data_file_replaced_by_another_file_is_refused_on_reopening(tmp_path, 
     with pytest.raises(graphmp.model_io.GraphmpError, match="replaced by another file after graphmp checked it"):
         graphmp.model_io.tensor_array(t, str(tmp_path / "m"))
 
+
+# --- only data files graphmp wrote are ever removed -------------------------------------
+
+KILL_AT_COMMIT = r"""
+import os, sys
+real_replace = os.replace
+def replace(a, b, **kw):
+    if str(b).endswith(".onnx"):
+        os._exit(137)  # killed between the data file getting its name and the model's rename
+    return real_replace(a, b, **kw)
+os.replace = replace
+from graphmp.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", ["convert", "pad"])
+def test_only_data_files_graphmp_wrote_are_removed(tmp_path, capsys, command):
+    """A user's OUT.3.data (and OUT.data) next to the output survive any number of writes;
+    the orphan of a run killed before its commit is removed by the next write."""
+    (tmp_path / "m").mkdir()
+    src = _external_model(str(tmp_path / "m"), np.ones((N, N), np.float32))
+    out = str(tmp_path / "o.onnx")
+    mine = {name: os.urandom(64) for name in ("o.onnx.3.data", "o.onnx.data", "o.onnx.12.data")}
+    for name, body in mine.items():
+        (tmp_path / name).write_bytes(body)
+    args = [command, src, "-o", out, "-q", "--external-data"] + (["--no-calibration"] if command == "convert" else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.run([sys.executable, "-c", KILL_AT_COMMIT, *args], env=env, capture_output=True, text=True)
+    assert p.returncode == 137, p.stderr
+    orphans = set(os.listdir(tmp_path)) - set(mine) - {"m", "o.onnx"}
+    orphans = {n for n in orphans if not n.startswith(".graphmp-")}
+    assert orphans == {"o.onnx.1.data"}, orphans  # the killed run's data file, named but unreferenced
+    for _ in range(3):
+        assert main(args) == 0, capsys.readouterr().err
+    names = sorted(n for n in os.listdir(tmp_path) if n != "m")
+    assert [n for n in names if n.startswith(".graphmp-")] == []
+    data = [n for n in names if n.endswith(".data") and n not in mine]
+    assert len(data) == 1, names  # the live pair's own, and no orphan
+    assert "o.onnx.1.data" in data or "o.onnx.1.data" not in names
+    for name, body in mine.items():
+        assert (tmp_path / name).read_bytes() == body, f"{name} was changed or removed"
+    onnx.checker.check_model(out, full_check=True)
+
+
+def test_a_model_graphmp_did_not_write_keeps_its_data_file(tmp_path, capsys):
+    """OUT was the user's own model (no graphmp record of its data file): replacing OUT,
+    which the user asked for, leaves the data file it referenced."""
+    (tmp_path / "m").mkdir()
+    src = _external_model(str(tmp_path / "m"), np.ones((N, N), np.float32))
+    own = _external_model(str(tmp_path), np.full((N, N), 2, np.float32))  # tmp/model.onnx + tmp/w.data
+    os.rename(own, tmp_path / "o.onnx")
+    m = onnx.load(str(tmp_path / "o.onnx"), load_external_data=False)
+    m.graph.initializer[0].external_data[0].value = "o.onnx.data"
+    onnx.save(m, str(tmp_path / "o.onnx"))
+    os.rename(tmp_path / "w.data", tmp_path / "o.onnx.data")
+    before = (tmp_path / "o.onnx.data").read_bytes()
+    assert main(["pad", src, "-o", str(tmp_path / "o.onnx"), "-q", "--external-data"]) == 0
+    assert (tmp_path / "o.onnx.data").read_bytes() == before
+    again = main(["pad", src, "-o", str(tmp_path / "o.onnx"), "-q", "--external-data"])
+    assert again == 0 and (tmp_path / "o.onnx.data").read_bytes() == before
+    names = sorted(os.listdir(tmp_path))
+    assert len(names) == 4 and names[:2] == ["m", "o.onnx"] and names[3] == "o.onnx.data", names  # + the live pair's
+
