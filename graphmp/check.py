@@ -194,21 +194,32 @@ def _ort_loads(model) -> str:
     import subprocess
     import sys
     import tempfile
-    code = ("import sys, onnxruntime as ort\n"
+    import json
+    from .paths import checked_descriptors
+    # the child reads the data files through the descriptors graphmp checked (inherited,
+    # mapped and handed to ONNX Runtime), never by a path the model names
+    code = ("import json, mmap, os, sys, onnxruntime as ort\n"
             "so = ort.SessionOptions(); so.log_severity_level = 4\n"
+            "fds = json.loads(sys.argv[2])\n"
+            "maps = [mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if os.fstat(fd).st_size else b'' for fd in fds.values()]\n"
+            "if fds:\n    so.add_external_initializers_from_files_in_memory(list(fds), maps, [len(m) for m in maps])\n"
             "try:\n    ort.InferenceSession(sys.argv[1], so, providers=['CPUExecutionProvider'])\n"
             "except Exception as e:\n    print(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)"
             "\n    sys.exit(3)\n")
+    fds = {}
+    if not isinstance(model, onnx.ModelProto):
+        base_dir = os.path.dirname(os.path.abspath(os.fspath(model)))
+        model = load_model(os.fspath(model), by_reference=True)
+        fds = checked_descriptors(model, base_dir)
     with tempfile.TemporaryDirectory(prefix="graphmp-check-") as d:
-        path = model
-        if isinstance(model, onnx.ModelProto):
-            # the serialized proto into this private folder, and nothing else: onnx.save would
-            # also write tensors that carry both raw data and an external location to that
-            # location, a path the model chooses (absolute, or climbing out with '..')
-            path = os.path.join(d, "model.onnx")
-            with open(path, "xb") as f:
-                f.write(model.SerializeToString())
-        r = subprocess.run([sys.executable, "-c", code, os.fspath(path)], capture_output=True, text=True)
+        # the serialized proto into this private folder, and nothing else: onnx.save would
+        # also write tensors that carry both raw data and an external location to that
+        # location, a path the model chooses (absolute, or climbing out with '..')
+        path = os.path.join(d, "model.onnx")
+        with open(path, "xb") as f:
+            f.write(model.SerializeToString())
+        r = subprocess.run([sys.executable, "-c", code, path, json.dumps(fds)], capture_output=True, text=True,
+                           pass_fds=tuple(fds.values()))
     if r.returncode == 0:
         return "ok"
     if r.returncode < 0:

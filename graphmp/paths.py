@@ -30,6 +30,7 @@ Writing (outputs never replace an input, a device or a FIFO):
 """
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -181,9 +182,11 @@ def _open_checked(key, t: TensorProto) -> CheckedFile:
             note_inputs([real])
             fd = _open_no_symlinks(base_real, os.path.relpath(real, base_real))
     except OSError as e:
-        raise GraphmpError(f"tensor '{t.name}': external data file '{loc}' cannot be read ({e.strerror}; a symlink "
-                           "put in its place after the check is not followed); copy the model's data file next to "
-                           "it") from None
+        why = e.strerror
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            why += "; a symlink took the place of a checked path, and graphmp follows none there"
+        raise GraphmpError(f"tensor '{t.name}': external data file '{loc}' cannot be read ({why}); copy the model's "
+                           "data file next to it") from None
     st = os.fstat(fd)
     try:
         _check_opened(st, key, t, own_file)
@@ -251,29 +254,39 @@ def external_file(t: TensorProto, base_dir: str, nbytes: int | None = None) -> t
     return f, offset, length
 
 
-def in_memory_files(model, base_dir: str | None) -> tuple[list, list]:
-    """(locations, read-only maps of their checked files) for every external-data file the
-    model names: what ONNX Runtime's add_external_initializers_from_files_in_memory takes,
-    so that a session reads the checked descriptors, never the paths. The maps cost
-    address space, not memory; close them once the session is created."""
-    import mmap
-    names, maps = [], []
+def checked_descriptors(model, base_dir: str | None) -> dict:
+    """{location: open descriptor of its checked data file} for every external-data file the
+    model names (see CheckedFile); the descriptors stay graphmp's (never close them)."""
     tensors = {}
     for t in iter_tensors(model.graph):
         if t.data_location == TensorProto.EXTERNAL:
             tensors.setdefault(_entries(t).get("location", ""), t)
+    return {loc: checked_file(t, base_dir).fd for loc, t in tensors.items()}
+
+
+def map_descriptors(fds: dict) -> tuple[list, list]:
+    """(locations, read-only maps of the descriptors' files) for ONNX Runtime's
+    add_external_initializers_from_files_in_memory. The maps cost address space, not
+    memory; close them once the session is created."""
+    import mmap
+    names, maps = [], []
     try:
-        for loc, t in tensors.items():
-            f = checked_file(t, base_dir)
-            size = os.fstat(f.fd).st_size
+        for loc, fd in fds.items():
+            size = os.fstat(fd).st_size
             names.append(loc)
-            maps.append(mmap.mmap(f.fd, size, access=mmap.ACCESS_READ) if size else b"")
+            maps.append(mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b"")
     except BaseException:
         for m in maps:
             if not isinstance(m, bytes):
                 m.close()
         raise
     return names, maps
+
+
+def in_memory_files(model, base_dir: str | None) -> tuple[list, list]:
+    """map_descriptors of the model's checked data files: ONNX Runtime sessions are given
+    these, so that they read the checked descriptors, never the paths."""
+    return map_descriptors(checked_descriptors(model, base_dir))
 
 
 def external_locations(model) -> list:
