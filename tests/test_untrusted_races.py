@@ -1,11 +1,9 @@
 """Untrusted input, round 2 (issue 36): a data file swapped after its check is never read,
 only data files graphmp wrote are ever removed, one process per run folder, bounded reads
 of .npz data files, and deeply nested run-folder JSON is one line."""
-import json
 import os
 import subprocess
 import sys
-import time
 import zipfile
 
 import numpy as np
@@ -183,3 +181,84 @@ def test_a_model_graphmp_did_not_write_keeps_its_data_file(tmp_path, capsys):
     names = sorted(os.listdir(tmp_path))
     assert len(names) == 4 and names[:2] == ["m", "o.onnx"] and names[3] == "o.onnx.data", names  # + the live pair's
 
+
+# --- one process per run folder ---------------------------------------------------------
+
+HOLDER = r"""
+import sys
+import graphmp.train.loop as loop
+real_train = loop.train
+def train(*a, **kw):  # inside the lock: say so, then wait until told to go on
+    print("TRAINING", flush=True)
+    sys.stdin.readline()
+    return real_train(*a, **kw)
+loop.train = train
+from graphmp.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A built (never trained) run of the tests' tiny MLP and its data."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from fixtures import tiny as tm
+    d = tmp_path_factory.mktemp("lock")
+    onnx.save(tm.mlp(), str(d / "mlp.onnx"))
+    assert main(["train-graph", str(d / "mlp.onnx"), "-o", str(d / "run"), "--precision", "fp32",
+                 "--optimizer", "sgd", "--lr", "0.1"]) == 0
+    np.savez(d / "data.npz", **tm.blobs(64))
+    return str(d / "run"), str(d / "data.npz")
+
+
+def _holder(run, data):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, "train", run, "--data", data, "--batch-size", "16", "-q",
+                          "--max-steps", "2"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "TRAINING", p.stderr.read()
+    return p
+
+
+def test_a_second_train_of_a_run_folder_is_refused_naming_the_holder(tiny_run, capsys):
+    run, data = tiny_run
+    holder = _holder(run, data)
+    try:
+        for args in (["train", run, "--data", data, "--batch-size", "16", "-q", "--max-steps", "1"],
+                     ["train", run, "--data", data, "--batch-size", "16", "-q", "--max-steps", "1", "--nproc", "2"],
+                     ["export", run, "-o", os.path.join(os.path.dirname(run), "e.onnx")]):
+            _one_error(main(args), capsys.readouterr().err, f"pid {holder.pid}", "another graphmp")
+        assert not os.path.exists(os.path.join(os.path.dirname(run), "e.onnx"))
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.wait(timeout=120) == 0, holder.stderr.read()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait()
+    # released at exit: the folder is free again
+    assert main(["train", run, "--data", data, "--batch-size", "16", "-q", "--max-steps", "1"]) == 0
+
+
+def test_a_killed_holder_never_blocks_the_next_run(tiny_run, capsys):
+    run, data = tiny_run
+    holder = _holder(run, data)
+    holder.kill()  # SIGKILL: no clean-up runs; the kernel drops the flock
+    holder.wait()
+    assert os.path.exists(os.path.join(run, ".graphmp.lock"))
+    assert main(["train", run, "--data", data, "--batch-size", "16", "-q", "--max-steps", "1"]) == 0
+    assert main(["export", run, "-o", os.path.join(os.path.dirname(run), "e.onnx"), "-q"]) == 0
+
+
+def test_a_lock_file_that_is_a_symlink_is_refused_and_never_followed(tiny_run, tmp_path, capsys):
+    run, data = tiny_run
+    lock = os.path.join(run, ".graphmp.lock")
+    target = tmp_path / "victim"
+    target.write_bytes(b"victim\n")
+    os.unlink(lock) if os.path.lexists(lock) else None
+    os.symlink(target, lock)
+    try:
+        _one_error(main(["export", run, "-o", str(tmp_path / "e.onnx")]), capsys.readouterr().err, "symlink")
+        assert target.read_bytes() == b"victim\n"
+    finally:
+        os.unlink(lock)
