@@ -5,12 +5,15 @@
   Before any work it refuses what could hurt: a malformed graph (graphmp.sanity), and
   external data outside the model's folder or disagreeing with its file
   (graphmp.paths); small and attribute tensors in external data are read inline then.
+  Each data file stays open from that check on, and every later read of a weight
+  (`tensor_array`, `load_with_weights`, ONNX Runtime sessions) goes through its checked
+  descriptor, never its path.
+- `load_npz` reads .npz data with bounded memory (graphmp.npz).
 - `open_model` also refuses an output that would overwrite the model or a file it reads.
 """
 from __future__ import annotations
 
 import os
-import zipfile
 
 import numpy as np
 import onnx
@@ -247,19 +250,10 @@ def materialize(t: TensorProto, src_dir: str | None, convert_fn) -> None:
 
 
 def load_npz(path, what: str = ".npz", hint: str = "") -> dict:
-    """All arrays of an .npz by name, or a GraphmpError naming the file."""
+    """All arrays of an .npz by name, or a GraphmpError naming the file; each member is
+    checked against its header and graphmp.npz's size limits before it is read."""
+    from .npz import read_npz
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise GraphmpError(f"{path}: no such file (expected an {what})")
-    try:
-        z = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise GraphmpError(f"{path}: not a readable {what} ({str(e)[:160]}).{hint}") from None
-    if isinstance(z, np.ndarray):
-        raise GraphmpError(f"{path}: is an .npy file (one unnamed array); graphmp needs an {what} with one "
-                           f"array per name.{hint or ' Save one with numpy.savez(path, name=array).'}")
-    with z:
-        try:
-            return {k: z[k] for k in z.files}
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-            raise GraphmpError(f"{path}: not a readable {what} ({str(e)[:160]}).{hint}") from None
+    return read_npz(path, what, hint)

@@ -262,3 +262,121 @@ def test_a_lock_file_that_is_a_symlink_is_refused_and_never_followed(tiny_run, t
         assert target.read_bytes() == b"victim\n"
     finally:
         os.unlink(lock)
+
+
+# --- bounded reads of .npz data files ---------------------------------------------------
+
+def _npy_header(shape, descr="<f4"):
+    """A version 1.0 .npy header for `shape` (what numpy.save writes before the data)."""
+    d = repr({"descr": descr, "fortran_order": False, "shape": tuple(shape)}).encode()
+    d += b" " * (-(10 + len(d) + 1) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(d).to_bytes(2, "little") + d
+
+
+def _zip_bomb(path, name="x", nbytes=256 << 20):
+    """An .npz whose one member, [1, nbytes/4] float32 zeros, deflates to about 1/1000 of it."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        with z.open(name + ".npy", "w", force_zip64=True) as f:
+            f.write(_npy_header((1, nbytes // 4)))
+            chunk = bytes(1 << 20)
+            for _ in range(nbytes >> 20):
+                f.write(chunk)
+
+
+def _lying_header(path, name="x"):
+    """An .npz whose member's header claims [2**42, 2**2] float32 (64 TiB) over 16 bytes of data."""
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(name + ".npy", _npy_header((2 ** 42, 4)) + bytes(16))
+
+
+def _object_array(path, name="x"):
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(name + ".npy", _npy_header((1,), "|O") + b"\x80\x04N.")
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """Arrays numpy inflated (a refused member must never be read)."""
+    seen, real = [], np.lib.format.read_array
+
+    def spy(fp, *a, **kw):
+        seen.append(fp)
+        return real(fp, *a, **kw)
+    monkeypatch.setattr(np.lib.format, "read_array", spy)
+    return seen
+
+
+BAD_NPZ = {"zip-bomb": (_zip_bomb, "zip bomb"), "lying-header": (_lying_header, "corrupt or forged"),
+           "objects": (_object_array, "never unpickles")}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_NPZ))
+@pytest.mark.parametrize("command", ["convert", "check"])
+def test_a_bad_npz_is_one_line_before_any_array_is_read(tmp_path, capsys, reads, kind, command):
+    make, needle = BAD_NPZ[kind]
+    (tmp_path / "m").mkdir()
+    src = _external_model(str(tmp_path / "m"), np.ones((N, N), np.float32))
+    bad = str(tmp_path / "bad.npz")
+    make(bad)
+    out = str(tmp_path / "o.onnx")
+    args = {"convert": ["convert", src, "-o", out, "-q", "--calibration", bad],
+            "check": ["check", src, src, "--data", bad]}[command]
+    _one_error(main(args), capsys.readouterr().err, "bad.npz", needle)
+    assert not reads and not os.path.exists(out)
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_NPZ))
+def test_a_bad_npz_is_one_line_for_train(tiny_run, tmp_path, capsys, reads, kind):
+    run, _ = tiny_run
+    make, needle = BAD_NPZ[kind]
+    bad = str(tmp_path / "bad.npz")
+    make(bad)
+    _one_error(main(["train", run, "--data", bad, "--batch-size", "16", "-q", "--max-steps", "1"]),
+               capsys.readouterr().err, "bad.npz", needle)
+    assert not reads
+
+
+def test_the_npz_size_limit_has_an_override(tiny_run, tmp_path, capsys, monkeypatch):
+    run, data = tiny_run
+    size = sum(i.file_size for i in zipfile.ZipFile(data).infolist())
+    monkeypatch.setenv("GRAPHMP_MAX_NPZ_BYTES", str(size - 1))
+    _one_error(main(["train", run, "--data", data, "--batch-size", "16", "-q", "--max-steps", "1"]),
+               capsys.readouterr().err, "data.npz", f"{size} bytes", "GRAPHMP_MAX_NPZ_BYTES")
+    monkeypatch.setenv("GRAPHMP_MAX_NPZ_BYTES", str(1 << 30))  # (the run's own state.npz is checked too)
+    assert main(["train", run, "--data", data, "--batch-size", "16", "-q", "--max-steps", "1"]) == 0
+    monkeypatch.setenv("GRAPHMP_MAX_NPZ_BYTES", "lots")
+    _one_error(main(["train", run, "--data", data, "--batch-size", "16", "-q", "--max-steps", "1"]),
+               capsys.readouterr().err, "GRAPHMP_MAX_NPZ_BYTES=lots")
+
+
+def test_npz_written_by_numpy_reads_as_before(tmp_path):
+    """savez and savez_compressed files, Fortran order and 0-d arrays included, read back equal."""
+    arrays = {"a": np.arange(12, dtype=np.int64).reshape(3, 4), "f": np.asfortranarray(np.ones((2, 3), np.float16)),
+              "s": np.array(3.5), "b": np.zeros((0, 2), bool)}
+    for save in (np.savez, np.savez_compressed):
+        p = str(tmp_path / f"{save.__name__}.npz")
+        save(p, **arrays)
+        got = graphmp.model_io.load_npz(p)
+        assert sorted(got) == sorted(arrays)
+        for k, v in arrays.items():
+            assert got[k].dtype == v.dtype and np.array_equal(got[k], v)
+
+
+@pytest.mark.parametrize("body", ["lying", "objects", "ok"])
+def test_class_weights_npy_header_is_checked_before_reading(tmp_path, capsys, reads, body):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from fixtures import tiny as tm
+    onnx.save(tm.mlp(), str(tmp_path / "mlp.onnx"))
+    npy = tmp_path / "w.npy"
+    if body == "ok":
+        np.save(npy, np.ones(3, np.float32))
+    else:
+        npy.write_bytes(_npy_header((2 ** 42, 4)) + bytes(16) if body == "lying" else _npy_header((1,), "|O") + b"N.")
+    rc = main(["train-graph", str(tmp_path / "mlp.onnx"), "-o", str(tmp_path / "run"), "--loss", "cross-entropy",
+               "--class-weights", str(npy)])
+    err = capsys.readouterr().err
+    if body == "ok":  # read, then judged on its length like any class weights
+        assert "not a readable" not in err and "Traceback" not in err and reads
+    else:
+        _one_error(rc, err, "w.npy", "header claims")
+        assert not reads and not os.path.exists(tmp_path / "run" / "train.json")
