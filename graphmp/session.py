@@ -65,7 +65,7 @@ def recorded_options(path) -> dict:
         return {}
     try:
         return dict(json.loads(meta).get("ort_cuda_options", {}))
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError, RecursionError):  # the model's metadata, not graphmp's
         return {}
 
 

@@ -362,6 +362,64 @@ def test_npz_written_by_numpy_reads_as_before(tmp_path):
             assert got[k].dtype == v.dtype and np.array_equal(got[k], v)
 
 
+# --- deeply nested run JSON -------------------------------------------------------------
+
+@pytest.mark.parametrize("depth", [40, 900, 100000])
+@pytest.mark.parametrize("name,command", [("train.json", "train"), ("train.json", "export"),
+                                          ("checkpoint.json", "train"), ("checkpoint.json", "export")])
+def test_deeply_nested_run_json_is_one_line(tiny_run, tmp_path, capsys, name, command, depth):
+    import shutil
+    run_src, data = tiny_run
+    run = str(tmp_path / "run")
+    shutil.copytree(run_src, run)
+    path = os.path.join(run, name)
+    with open(path, "w") as f:  # a valid object whose one value nests `depth` lists deep
+        f.write('{"config": ' + "[" * depth + "]" * depth + "}")
+    args = (["train", run, "--data", data, "--batch-size", "16", "-q", "--max-steps", "1"] if command == "train"
+            else ["export", run, "-o", str(tmp_path / "e.onnx")])
+    _one_error(main(args), capsys.readouterr().err, name, "nested more than")
+
+
+# --- fuzz: any .npz is arrays or one line ------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_MEMBER = st.tuples(
+    st.sampled_from(["x.npy", "y.npy", "labels.npy", "x", "../x.npy"]),
+    st.lists(st.one_of(st.integers(0, 5), st.sampled_from([2 ** 31, 2 ** 42, 2 ** 63 - 1])), max_size=3),
+    st.sampled_from(["<f4", "<i8", "|b1", "<f2", "|O", ">f8", "<U3", "<V0"]),
+    st.one_of(st.none(), st.integers(0, 64)),  # data bytes: None = what the header calls for
+    st.booleans(),  # deflated
+    st.one_of(st.none(), st.binary(max_size=40)),  # replace the whole member by these bytes
+)
+
+
+@pytest.mark.filterwarnings("ignore:Duplicate name")
+@settings(max_examples=int(os.environ.get("GRAPHMP_FUZZ_EXAMPLES", "60")), deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(members=st.lists(_MEMBER, min_size=0, max_size=3))
+def test_fuzz_any_npz_is_its_arrays_or_one_line(members):
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="graphmp-npz-") as d:
+        path = os.path.join(d, "f.npz")
+        with zipfile.ZipFile(path, "w") as z:
+            for name, shape, descr, nbytes, deflate, raw in members:
+                if raw is None:
+                    count = int(np.prod(shape, dtype=object)) if shape else 1
+                    want = count * np.dtype(descr).itemsize if descr != "|O" else 8
+                    raw = _npy_header(shape, descr) + bytes(min(want, 64) if nbytes is None else nbytes)
+                z.writestr(name, raw, zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED)
+        try:
+            arrays = graphmp.model_io.load_npz(path)
+        except graphmp.model_io.GraphmpError as e:
+            assert "\n" not in str(e) and str(e).startswith(path), str(e)
+            return
+        for name, arr in arrays.items():  # accepted: each array is exactly what its member held
+            info = zipfile.ZipFile(path).getinfo(name + ".npy" if name + ".npy" in zipfile.ZipFile(path).namelist()
+                                                 else name)
+            assert arr.nbytes <= info.file_size and arr.dtype != object
+
+
 @pytest.mark.parametrize("body", ["lying", "objects", "ok"])
 def test_class_weights_npy_header_is_checked_before_reading(tmp_path, capsys, reads, body):
     sys.path.insert(0, os.path.dirname(__file__))
