@@ -4,7 +4,9 @@
   weights tensor by tensor, converting the ones marked for conversion on the way, so
   peak memory stays near the largest tensor. With external data, the model and its data
   file are replaced as a pair (_save_pair): a kill at any instant leaves the old pair or
-  the new one, each consistent.
+  the new one, each consistent. Only data files graphmp wrote for the output are ever
+  removed: the one the old model's metadata records (DATA_FILE_KEY), and orphans of a
+  killed run whose (st_dev, st_ino) it recorded first (_record_owned).
 - `atomic_write` / `write_json` / `save_npz`: other outputs, atomically; an existing
   output that is not a regular file is refused (paths.check_target), or, for text the
   user named, written in place (a FIFO, a device, /dev/stdout).
