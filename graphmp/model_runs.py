@@ -28,7 +28,7 @@ import os
 import numpy as np
 import onnx
 
-from .paths import in_memory_files
+from .paths import checked_descriptors, iter_tensors, map_descriptors
 
 
 def oracle_ops() -> list:
@@ -47,20 +47,32 @@ def ort_session(model, providers=None, base_dir=None, optimize=True, in_node_ord
     the model's output before side branches such as calibration's per-tensor reductions
     and so keeps every intermediate alive (3x the peak memory at 720 px)."""
     import onnxruntime as ort
-    so = ort.SessionOptions()
-    so.log_severity_level = 4  # graphmp reports failures itself, in one line
-    if not optimize:
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    if in_node_order and hasattr(ort, "ExecutionOrder"):
-        so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+
+    def options():
+        so = ort.SessionOptions()
+        so.log_severity_level = 4  # graphmp reports failures itself, in one line
+        if not optimize:
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        if in_node_order and hasattr(ort, "ExecutionOrder"):
+            so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+        return so
     providers = providers or ["CPUExecutionProvider"]
     if not isinstance(model, onnx.ModelProto):
         from .model_io import load_model  # a path: its weights are read as any model's are
         base_dir = os.path.dirname(os.path.abspath(os.fspath(model)))
         model = load_model(os.fspath(model), by_reference=True)
-    # ONNX Runtime never opens a data file by path: it is given the checked descriptors'
-    # contents (graphmp.paths.in_memory_files), so a file swapped after the check is not read
-    names, maps = in_memory_files(model, base_dir) if base_dir else ([], [])
+    # ONNX Runtime never opens a data file by the path the model names, only the files
+    # graphmp checked: through their descriptors (/dev/fd/N: the kernel reopens the checked
+    # file whatever now lies at its path, and ONNX Runtime maps it as it maps any data file),
+    # else given their contents (a copy of each weight per session)
+    fds = checked_descriptors(model, base_dir) if base_dir else {}
+    if fds and os.path.isdir(FD_DIR):
+        try:
+            return _session_through_descriptors(ort, model, fds, options(), providers)
+        except Exception:  # noqa: BLE001 - ONNX Runtime refused the path (a file deleted since): the contents
+            pass
+    so = options()
+    names, maps = map_descriptors(fds)
     try:
         if names:
             so.add_external_initializers_from_files_in_memory(names, maps, [len(m) for m in maps])
@@ -69,6 +81,28 @@ def ort_session(model, providers=None, base_dir=None, optimize=True, in_node_ord
         for m in maps:
             if not isinstance(m, bytes):
                 m.close()
+
+
+FD_DIR = "/dev/fd"  # Linux (a link to /proc/self/fd) and macOS: opening FD_DIR/N opens descriptor N's file
+
+
+def _session_through_descriptors(ort, model, fds: dict, so, providers):
+    """An InferenceSession whose external data locations are FD_DIR/<descriptor> of the
+    checked files (`fds`: location -> descriptor), under the folder '/' (ONNX Runtime
+    resolves each location under that folder and refuses one that leaves it; graphmp has
+    checked the real locations itself). The model's own locations are restored after."""
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", "/")
+    entries = [e for t in iter_tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL
+               for e in t.external_data if e.key == "location" and e.value in fds]
+    before = [e.value for e in entries]
+    try:
+        for e in entries:
+            e.value = f"{FD_DIR.lstrip('/')}/{fds[e.value]}"
+        blob = model.SerializeToString()
+    finally:
+        for e, value in zip(entries, before):
+            e.value = value
+    return ort.InferenceSession(blob, so, providers=providers)
 
 
 def runner(model, providers=None, base_dir=None, optimize=True):

@@ -12,7 +12,7 @@ Reading (a model's external data, the only place a model names a file):
   work starts.
 - Each data file is opened once at that check (component by component from the model's
   folder, O_NOFOLLOW: see `CheckedFile`), and every later read of the model's weights
-  (savers, calibration, ONNX Runtime sessions through `in_memory_files`, emulation,
+  (savers, calibration, ONNX Runtime sessions through `checked_descriptors`, emulation,
   training) goes through that descriptor, or through one reopened and proven to be the
   same file by (st_dev, st_ino): a data file swapped for a symlink after the check is
   never read.
@@ -281,12 +281,6 @@ def map_descriptors(fds: dict) -> tuple[list, list]:
                 m.close()
         raise
     return names, maps
-
-
-def in_memory_files(model, base_dir: str | None) -> tuple[list, list]:
-    """map_descriptors of the model's checked data files: ONNX Runtime sessions are given
-    these, so that they read the checked descriptors, never the paths."""
-    return map_descriptors(checked_descriptors(model, base_dir))
 
 
 def external_locations(model) -> list:

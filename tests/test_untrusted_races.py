@@ -50,11 +50,13 @@ def _files_holding(root, needle):
     return found
 
 
-@pytest.fixture
-def swapped_after_load(tmp_path, monkeypatch):
+@pytest.fixture(params=["unlinked", "renamed"])
+def swapped_after_load(tmp_path, monkeypatch, request):
     """A model in tmp/m/ whose w.data is replaced by a symlink to tmp/secret.bin right after
     graphmp's load has checked it (the race made deterministic: the hook runs where a sync
-    client or a second user could act, before any weight is read for work)."""
+    client or a second user could act, before any weight is read for work). The checked
+    file is unlinked, or renamed to tmp/m/old.data (ONNX Runtime is then given it through
+    /dev/fd; once unlinked, through its contents)."""
     (tmp_path / "m").mkdir()
     (tmp_path / "secret.bin").write_bytes(MARK * (N * N * 4 // len(MARK)))
     w = np.random.default_rng(0).standard_normal((N, N)).astype(np.float32) * 0.1
@@ -66,7 +68,10 @@ def swapped_after_load(tmp_path, monkeypatch):
     def inline_then_swap(model, base):
         real_inline(model, base)
         if not swapped and os.path.realpath(base) == os.path.realpath(tmp_path / "m"):
-            os.unlink(data)  # the checked file is gone from the folder; its open descriptor is not
+            if request.param == "unlinked":
+                os.unlink(data)  # the checked file is gone from the folder; its open descriptor is not
+            else:
+                os.rename(data, tmp_path / "m" / "old.data")
             os.symlink(tmp_path / "secret.bin", data)
             swapped.append(True)
 
@@ -117,6 +122,26 @@ def test_a_data_file_replaced_by_another_file_is_refused_on_reopening(tmp_path, 
     with pytest.raises(graphmp.model_io.GraphmpError, match="replaced by another file after graphmp checked it"):
         graphmp.model_io.tensor_array(t, str(tmp_path / "m"))
 
+
+def test_onnx_runtime_maps_the_checked_descriptor_without_a_copy(tmp_path, monkeypatch):
+    """Where /dev/fd exists, a session reads the checked file through /dev/fd/N (ONNX Runtime
+    maps it as any data file: no copy of the weights per session); the copy of the
+    contents is only the fallback."""
+    import graphmp.model_runs as model_runs
+    if not os.path.isdir(model_runs.FD_DIR):
+        pytest.skip("no /dev/fd here")
+    (tmp_path / "m").mkdir()
+    w = np.random.default_rng(1).standard_normal((N, N)).astype(np.float32)
+    src = _external_model(str(tmp_path / "m"), w)
+    model = graphmp.model_io.load_model(src)
+
+    def no_copy(fds):
+        raise AssertionError("the weights were copied")
+    monkeypatch.setattr(model_runs, "map_descriptors", no_copy)
+    x = np.ones((1, N), np.float32)
+    got = model_runs.runner(model, base_dir=str(tmp_path / "m"))({"x": x})["y"]
+    np.testing.assert_allclose(got, x @ w, rtol=1e-5)
+    assert model.graph.initializer[0].external_data[0].value == "w.data"  # the model's own location, restored
 
 # --- only data files graphmp wrote are ever removed -------------------------------------
 
