@@ -190,11 +190,12 @@ def _ort_loads(model) -> str:
     model. Tried in a child process: ONNX Runtime can crash on a valid model (1.32
     segfaults optimising an FP16 Transpose(perm=[1,0,2]) -> MatMul), and a crash must be
     a FAIL with a reason, not the end of graphmp."""
+    import contextlib
+    import json
     import signal
     import subprocess
     import sys
     import tempfile
-    import json
     from .paths import checked_descriptors
     # the child reads the data files through the descriptors graphmp checked (inherited,
     # mapped and handed to ONNX Runtime), never by a path the model names
@@ -206,12 +207,12 @@ def _ort_loads(model) -> str:
             "try:\n    ort.InferenceSession(sys.argv[1], so, providers=['CPUExecutionProvider'])\n"
             "except Exception as e:\n    print(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)"
             "\n    sys.exit(3)\n")
-    fds = {}
+    base_dir = None
     if not isinstance(model, onnx.ModelProto):
         base_dir = os.path.dirname(os.path.abspath(os.fspath(model)))
         model = load_model(os.fspath(model), by_reference=True)
-        fds = checked_descriptors(model, base_dir)
-    with tempfile.TemporaryDirectory(prefix="graphmp-check-") as d:
+    with checked_descriptors(model, base_dir) if base_dir else contextlib.nullcontext({}) as fds, \
+            tempfile.TemporaryDirectory(prefix="graphmp-check-") as d:
         # the serialized proto into this private folder, and nothing else: onnx.save would
         # also write tensors that carry both raw data and an external location to that
         # location, a path the model chooses (absolute, or climbing out with '..')

@@ -23,6 +23,7 @@ ops of `--fuse ort` models run with graphmp.fused_ops (FP32 math, outputs rounde
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -65,22 +66,22 @@ def ort_session(model, providers=None, base_dir=None, optimize=True, in_node_ord
     # graphmp checked: through their descriptors (/dev/fd/N: the kernel reopens the checked
     # file whatever now lies at its path, and ONNX Runtime maps it as it maps any data file),
     # else given their contents (a copy of each weight per session)
-    fds = checked_descriptors(model, base_dir) if base_dir else {}
-    if fds and os.path.isdir(FD_DIR):
+    with checked_descriptors(model, base_dir) if base_dir else contextlib.nullcontext({}) as fds:
+        if fds and os.path.isdir(FD_DIR):
+            try:
+                return _session_through_descriptors(ort, model, fds, options(), providers)
+            except Exception:  # noqa: BLE001 - ONNX Runtime refused the path (a file deleted since): the contents
+                pass
+        so = options()
+        names, maps = map_descriptors(fds)
         try:
-            return _session_through_descriptors(ort, model, fds, options(), providers)
-        except Exception:  # noqa: BLE001 - ONNX Runtime refused the path (a file deleted since): the contents
-            pass
-    so = options()
-    names, maps = map_descriptors(fds)
-    try:
-        if names:
-            so.add_external_initializers_from_files_in_memory(names, maps, [len(m) for m in maps])
-        return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
-    finally:
-        for m in maps:
-            if not isinstance(m, bytes):
-                m.close()
+            if names:
+                so.add_external_initializers_from_files_in_memory(names, maps, [len(m) for m in maps])
+            return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+        finally:
+            for m in maps:
+                if not isinstance(m, bytes):
+                    m.close()
 
 
 FD_DIR = "/dev/fd"  # Linux (a link to /proc/self/fd) and macOS: opening FD_DIR/N opens descriptor N's file

@@ -30,6 +30,7 @@ Writing (outputs never replace an input, a device or a FIFO):
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -254,14 +255,37 @@ def external_file(t: TensorProto, base_dir: str, nbytes: int | None = None) -> t
     return f, offset, length
 
 
-def checked_descriptors(model, base_dir: str | None) -> dict:
-    """{location: open descriptor of its checked data file} for every external-data file the
-    model names (see CheckedFile); the descriptors stay graphmp's (never close them)."""
+@contextlib.contextmanager
+def checked_descriptors(model, base_dir: str | None):
+    """Yields {location: descriptor of its checked data file} for every external-data file
+    the model names (see CheckedFile): duplicates, closed when the block ends, so that no
+    descriptor is closed under the caller while more files than MAX_OPEN are opened.
+    A model with more data files than this process may open raises its soft limit."""
     tensors = {}
     for t in iter_tensors(model.graph):
         if t.data_location == TensorProto.EXTERNAL:
             tensors.setdefault(_entries(t).get("location", ""), t)
-    return {loc: checked_file(t, base_dir).fd for loc, t in tensors.items()}
+    if len(tensors) > 256:
+        _allow_open_files(len(tensors) + MAX_OPEN + 256)
+    fds = {}
+    try:
+        for loc, t in tensors.items():
+            fds[loc] = os.dup(checked_file(t, base_dir).fd)
+        yield fds
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _allow_open_files(n: int) -> None:
+    """Raise this process's soft limit on open files to n where the hard limit allows."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < n:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (n if hard == resource.RLIM_INFINITY else min(n, hard), hard))
+    except (ImportError, ValueError, OSError):
+        pass  # then opening fails with a one-line error naming the file
 
 
 def map_descriptors(fds: dict) -> tuple[list, list]:

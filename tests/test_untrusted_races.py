@@ -143,6 +143,35 @@ def test_onnx_runtime_maps_the_checked_descriptor_without_a_copy(tmp_path, monke
     np.testing.assert_allclose(got, x @ w, rtol=1e-5)
     assert model.graph.initializer[0].external_data[0].value == "w.data"  # the model's own location, restored
 
+def test_more_data_files_than_graphmp_keeps_open(tmp_path, capsys):
+    """Each of 100 weights in its own data file (onnx's all_tensors_to_one_file=False), more
+    than paths.MAX_OPEN: descriptors closed and reopened (identity checked) as the model is
+    read, and every session gets each file's own checked descriptor."""
+    import graphmp.paths as paths
+    k = paths.MAX_OPEN + 36
+    rng = np.random.default_rng(2)
+    ws = [(rng.standard_normal((32, 32)) / 6).astype(np.float32) for _ in range(k)]
+    nodes = [helper.make_node("MatMul", ["x" if i == 0 else f"h{i - 1}", f"W{i}"], [f"h{i}" if i < k - 1 else "y"])
+             for i in range(k)]
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])],
+                          [onnx.numpy_helper.from_array(w, f"W{i}") for i, w in enumerate(ws)])
+    (tmp_path / "m").mkdir()
+    src = str(tmp_path / "m" / "chain.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), src,
+              save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=0)
+    assert len(os.listdir(tmp_path / "m")) == k + 1
+    x = np.ones((1, 32), np.float32)
+    want = x
+    for w in ws:
+        want = want @ w
+    import graphmp.model_runs as model_runs
+    got = model_runs.runner(src)({"x": x})["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    out = str(tmp_path / "o.onnx")
+    assert main(["pad", src, "-o", out, "-q", "--multiple", "8", "--external-data"]) == 0, capsys.readouterr().err
+    assert main(["check", src, out, "-q"]) == 0, capsys.readouterr().err
+
 # --- only data files graphmp wrote are ever removed -------------------------------------
 
 KILL_AT_COMMIT = r"""
