@@ -62,6 +62,12 @@ def ort_session(model, providers=None, base_dir=None, optimize=True, in_node_ord
         from .model_io import load_model  # a path: its weights are read as any model's are
         base_dir = os.path.dirname(os.path.abspath(os.fspath(model)))
         model = load_model(os.fspath(model), by_reference=True)
+    return checked_session(ort, model, base_dir, options, providers)
+
+
+def checked_session(ort, model, base_dir, options, providers):
+    """An InferenceSession of `model` (a ModelProto; external data under base_dir) that reads
+    only the data files graphmp checked. options: a function returning fresh SessionOptions."""
     # ONNX Runtime never opens a data file by the path the model names, only the files
     # graphmp checked: through their descriptors (/dev/fd/N: the kernel reopens the checked
     # file whatever now lies at its path, and ONNX Runtime maps it as it maps any data file),

@@ -11,6 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+import graphmp
 import graphmp.model_io
 from graphmp.cli import main
 
@@ -106,6 +107,15 @@ def test_a_data_file_swapped_after_the_check_is_never_read(swapped_after_load, c
         got = onnx.numpy_helper.to_array(onnx.load(out).graph.initializer[0])
         np.testing.assert_array_equal(got, w)
 
+
+def test_graphmp_session_reads_the_checked_data_file(swapped_after_load):
+    """The Python API's graphmp.session(path) too: its ONNX Runtime session is given the
+    descriptor checked at its load, not the path."""
+    root, src, w, swapped = swapped_after_load
+    sess = graphmp.session(src, device="cpu")
+    assert swapped
+    x = np.ones((1, N), np.float32)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], x @ w, rtol=1e-5)
 
 def test_a_data_file_replaced_by_another_file_is_refused_on_reopening(tmp_path, capsys):
     """A descriptor closed (more data files than graphmp keeps open) and reopened must name
