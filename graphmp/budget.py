@@ -233,7 +233,8 @@ def measure(model, batches: list, refs: list, spec, metric: str = "max-rel",
         if not isinstance(model, onnx.ModelProto):  # a path: the rewrite needs the graph and weights
             import os
             base_dir = os.path.dirname(os.path.abspath(os.fspath(model)))
-            model = onnx.load(os.fspath(model))
+            from .model_io import load_with_weights
+            model = load_with_weights(model)
         run_tf32 = runner(tf32_model(model), base_dir=base_dir, optimize=False)
         tf32_outputs = [run_tf32(x) for x in batches]
         b.tf32 = errors(refs, tf32_outputs, metric)

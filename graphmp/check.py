@@ -39,7 +39,7 @@ from .errors import GraphmpError, first_line
 from .budget import DEFAULT, as_tensor, measure, output_error, parse
 from .emulate import emulated_runner
 from .inputs import find_shapes, input_specs, user_batches
-from .model_io import load_model
+from .model_io import load_model, load_with_weights
 from .model_runs import cuda_available, run_reference, runner
 from .session import CUDA, ran_on
 from . import verdict
@@ -216,25 +216,37 @@ def _ort_loads(model) -> str:
     model. Tried in a child process: ONNX Runtime can crash on a valid model (1.32
     segfaults optimising an FP16 Transpose(perm=[1,0,2]) -> MatMul), and a crash must be
     a FAIL with a reason, not the end of graphmp."""
+    import contextlib
+    import json
     import signal
     import subprocess
     import sys
     import tempfile
-    code = ("import sys, onnxruntime as ort\n"
+    from .paths import checked_descriptors
+    # the child reads the data files through the descriptors graphmp checked (inherited,
+    # mapped and handed to ONNX Runtime), never by a path the model names
+    code = ("import json, mmap, os, sys, onnxruntime as ort\n"
             "so = ort.SessionOptions(); so.log_severity_level = 4\n"
+            "fds = json.loads(sys.argv[2])\n"
+            "maps = [mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if os.fstat(fd).st_size else b'' for fd in fds.values()]\n"
+            "if fds:\n    so.add_external_initializers_from_files_in_memory(list(fds), maps, [len(m) for m in maps])\n"
             "try:\n    ort.InferenceSession(sys.argv[1], so, providers=['CPUExecutionProvider'])\n"
             "except Exception as e:\n    print(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)"
             "\n    sys.exit(3)\n")
-    with tempfile.TemporaryDirectory(prefix="graphmp-check-") as d:
-        path = model
-        if isinstance(model, onnx.ModelProto):
-            # the serialized proto into this private folder, and nothing else: onnx.save would
-            # also write tensors that carry both raw data and an external location to that
-            # location, a path the model chooses (absolute, or climbing out with '..')
-            path = os.path.join(d, "model.onnx")
-            with open(path, "xb") as f:
-                f.write(model.SerializeToString())
-        r = subprocess.run([sys.executable, "-c", code, os.fspath(path)], capture_output=True, text=True)
+    base_dir = None
+    if not isinstance(model, onnx.ModelProto):
+        base_dir = os.path.dirname(os.path.abspath(os.fspath(model)))
+        model = load_model(os.fspath(model), by_reference=True)
+    with checked_descriptors(model, base_dir) if base_dir else contextlib.nullcontext({}) as fds, \
+            tempfile.TemporaryDirectory(prefix="graphmp-check-") as d:
+        # the serialized proto into this private folder, and nothing else: onnx.save would
+        # also write tensors that carry both raw data and an external location to that
+        # location, a path the model chooses (absolute, or climbing out with '..')
+        path = os.path.join(d, "model.onnx")
+        with open(path, "xb") as f:
+            f.write(model.SerializeToString())
+        r = subprocess.run([sys.executable, "-c", code, path, json.dumps(fds)], capture_output=True, text=True,
+                           pass_fds=tuple(fds.values()))
     if r.returncode == 0:
         return "ok"
     if r.returncode < 0:
@@ -455,7 +467,7 @@ def _run_batches(ref, converted, batches: list, runs: _Runs, oracle: str, warnin
 
 def _in_memory(m):
     """The model as a ModelProto with its weights: the reference evaluator needs them in memory."""
-    return m if isinstance(m, onnx.ModelProto) else onnx.load(os.fspath(m))
+    return m if isinstance(m, onnx.ModelProto) else load_with_weights(m)
 
 
 def _reference_outputs(ref, converted, feeds: dict, want: dict, warnings: list) -> dict | None:

@@ -5,12 +5,15 @@
   Before any work it refuses what could hurt: a malformed graph (graphmp.sanity), and
   external data outside the model's folder or disagreeing with its file
   (graphmp.paths); small and attribute tensors in external data are read inline then.
+  Each data file stays open from that check on, and every later read of a weight
+  (`tensor_array`, `load_with_weights`, ONNX Runtime sessions) goes through its checked
+  descriptor, never its path.
+- `load_npz` reads .npz data with bounded memory (graphmp.npz).
 - `open_model` also refuses an output that would overwrite the model or a file it reads.
 """
 from __future__ import annotations
 
 import os
-import zipfile
 
 import numpy as np
 import onnx
@@ -62,12 +65,10 @@ def tensor_array(t: TensorProto, base_dir: str) -> np.ndarray:
         return onnx.numpy_helper.to_array(t)
     dtype = np_dtype(t.data_type)
     count = int(np.prod(t.dims, dtype=np.int64)) if t.dims else 1
-    path, offset, length = external_file(t, base_dir, tensor_nbytes(t))
-    with open(path, "rb") as f:
-        f.seek(offset)
-        buf = f.read(length)
+    checked, offset, length = external_file(t, base_dir, tensor_nbytes(t))
+    buf = checked.read(offset, length)  # through the descriptor checked at load, never the path again
     if len(buf) != count * dtype.itemsize:
-        raise GraphmpError(f"{path}: external data for tensor '{t.name}' is truncated "
+        raise GraphmpError(f"{checked.loc}: external data for tensor '{t.name}' is truncated "
                            f"(wanted {count * dtype.itemsize} bytes at offset {offset}, got {len(buf)}). "
                            "Copy the complete .data file next to the model.")
     return np.frombuffer(buf, dtype=dtype).reshape(tuple(t.dims))
@@ -105,6 +106,19 @@ def load_model(path: str, by_reference: bool = False) -> onnx.ModelProto:
     except GraphmpError as e:
         raise GraphmpError(f"{path}: {e}") from None
     check_schemas(model, path)
+    return model
+
+
+def load_with_weights(path) -> onnx.ModelProto:
+    """The model at `path` with every weight in memory (what onnx.load gives, for the
+    reference evaluator and graph rewrites that need the values), read through the
+    checked descriptors (graphmp.paths), never by a path the model names."""
+    path = os.fspath(path)
+    model = load_model(path, by_reference=True)
+    base = os.path.dirname(os.path.abspath(path))
+    for g in iter_graphs(model.graph):
+        for t in g.initializer:
+            materialize(t, base, None)
     return model
 
 
@@ -239,19 +253,10 @@ def materialize(t: TensorProto, src_dir: str | None, convert_fn) -> None:
 
 
 def load_npz(path, what: str = ".npz", hint: str = "") -> dict:
-    """All arrays of an .npz by name, or a GraphmpError naming the file."""
+    """All arrays of an .npz by name, or a GraphmpError naming the file; each member is
+    checked against its header and graphmp.npz's size limits before it is read."""
+    from .npz import read_npz
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise GraphmpError(f"{path}: no such file (expected an {what})")
-    try:
-        z = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise GraphmpError(f"{path}: not a readable {what} ({str(e)[:160]}).{hint}") from None
-    if isinstance(z, np.ndarray):
-        raise GraphmpError(f"{path}: is an .npy file (one unnamed array); graphmp needs an {what} with one "
-                           f"array per name.{hint or ' Save one with numpy.savez(path, name=array).'}")
-    with z:
-        try:
-            return {k: z[k] for k in z.files}
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-            raise GraphmpError(f"{path}: not a readable {what} ({str(e)[:160]}).{hint}") from None
+    return read_npz(path, what, hint)

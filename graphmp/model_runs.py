@@ -23,10 +23,13 @@ ops of `--fuse ort` models run with graphmp.fused_ops (FP32 math, outputs rounde
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
 import onnx
+
+from .paths import checked_descriptors, iter_tensors, map_descriptors
 
 
 def oracle_ops() -> list:
@@ -38,24 +41,75 @@ def oracle_ops() -> list:
 
 
 def ort_session(model, providers=None, base_dir=None, optimize=True, in_node_order=False):
-    """An InferenceSession of a ModelProto (external data read from base_dir) or a path.
+    """An InferenceSession of a ModelProto (external data read from base_dir, through the
+    descriptors graphmp checked) or a path (loaded with graphmp.model_io.load_model).
     in_node_order: execute in the order of the node list where the graph allows
     (PRIORITY_BASED), not ONNX Runtime's default reverse-DFS order, which runs a chain to
     the model's output before side branches such as calibration's per-tensor reductions
     and so keeps every intermediate alive (3x the peak memory at 720 px)."""
     import onnxruntime as ort
-    so = ort.SessionOptions()
-    so.log_severity_level = 4  # graphmp reports failures itself, in one line
-    if not optimize:
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    if in_node_order and hasattr(ort, "ExecutionOrder"):
-        so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+
+    def options():
+        so = ort.SessionOptions()
+        so.log_severity_level = 4  # graphmp reports failures itself, in one line
+        if not optimize:
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        if in_node_order and hasattr(ort, "ExecutionOrder"):
+            so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+        return so
     providers = providers or ["CPUExecutionProvider"]
-    if isinstance(model, onnx.ModelProto):
-        if base_dir:
-            so.add_session_config_entry("session.model_external_initializers_file_folder_path", base_dir)
-        return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
-    return ort.InferenceSession(os.fspath(model), so, providers=providers)
+    if not isinstance(model, onnx.ModelProto):
+        from .model_io import load_model  # a path: its weights are read as any model's are
+        base_dir = os.path.dirname(os.path.abspath(os.fspath(model)))
+        model = load_model(os.fspath(model), by_reference=True)
+    return checked_session(ort, model, base_dir, options, providers)
+
+
+def checked_session(ort, model, base_dir, options, providers):
+    """An InferenceSession of `model` (a ModelProto; external data under base_dir) that reads
+    only the data files graphmp checked. options: a function returning fresh SessionOptions."""
+    # ONNX Runtime never opens a data file by the path the model names, only the files
+    # graphmp checked: through their descriptors (/dev/fd/N: the kernel reopens the checked
+    # file whatever now lies at its path, and ONNX Runtime maps it as it maps any data file),
+    # else given their contents (a copy of each weight per session)
+    with checked_descriptors(model, base_dir) if base_dir else contextlib.nullcontext({}) as fds:
+        if fds and os.path.isdir(FD_DIR):
+            try:
+                return _session_through_descriptors(ort, model, fds, options(), providers)
+            except Exception:  # noqa: BLE001 - ONNX Runtime refused the path (a file deleted since): the contents
+                pass
+        so = options()
+        names, maps = map_descriptors(fds)
+        try:
+            if names:
+                so.add_external_initializers_from_files_in_memory(names, maps, [len(m) for m in maps])
+            return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+        finally:
+            for m in maps:
+                if not isinstance(m, bytes):
+                    m.close()
+
+
+FD_DIR = "/dev/fd"  # Linux (a link to /proc/self/fd) and macOS: opening FD_DIR/N opens descriptor N's file
+
+
+def _session_through_descriptors(ort, model, fds: dict, so, providers):
+    """An InferenceSession whose external data locations are FD_DIR/<descriptor> of the
+    checked files (`fds`: location -> descriptor), under the folder '/' (ONNX Runtime
+    resolves each location under that folder and refuses one that leaves it; graphmp has
+    checked the real locations itself). The model's own locations are restored after."""
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", "/")
+    entries = [e for t in iter_tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL
+               for e in t.external_data if e.key == "location" and e.value in fds]
+    before = [e.value for e in entries]
+    try:
+        for e in entries:
+            e.value = f"{FD_DIR.lstrip('/')}/{fds[e.value]}"
+        blob = model.SerializeToString()
+    finally:
+        for e, value in zip(entries, before):
+            e.value = value
+    return ort.InferenceSession(blob, so, providers=providers)
 
 
 def runner(model, providers=None, base_dir=None, optimize=True):
@@ -85,7 +139,8 @@ def run_reference(model, feeds: dict) -> dict:
     (float64 math, outputs rounded once: see the module docstring)."""
     from onnx.reference import ReferenceEvaluator
     if not isinstance(model, onnx.ModelProto):
-        model = onnx.load(os.fspath(model))
+        from .model_io import load_with_weights
+        model = load_with_weights(model)
     ev = ReferenceEvaluator(model, new_ops=oracle_ops())
     wanted = set(ev.input_names)
     with np.errstate(all="ignore"):  # FP16 overflow is a result here, reported by the caller

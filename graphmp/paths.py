@@ -10,6 +10,12 @@ Reading (a model's external data, the only place a model names a file):
   `graphmp.model_io.tensor_array` reads through it, so every command does; the loader
   checks every external tensor (subgraphs and Constant attributes too) with it before any
   work starts.
+- Each data file is opened once at that check (component by component from the model's
+  folder, O_NOFOLLOW: see `CheckedFile`), and every later read of the model's weights
+  (savers, calibration, ONNX Runtime sessions through `checked_descriptors`, emulation,
+  training) goes through that descriptor, or through one reopened and proven to be the
+  same file by (st_dev, st_ino): a data file swapped for a symlink after the check is
+  never read.
 
 Writing (outputs never replace an input, a device or a FIFO):
 - `refuse_clobber(outputs, inputs)`: a one-line error before any work when an output
@@ -24,6 +30,8 @@ Writing (outputs never replace an input, a device or a FIFO):
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import stat
 
@@ -95,8 +103,33 @@ def _inside(base_real: str, loc: str, t: TensorProto) -> str:
                        "and give its plain name")
 
 
-_REAL: dict = {}  # (folder, location) -> checked real path: models hold thousands of tensors in one file
-_SELF: dict = {}  # the same for model files read by reference (their own weights)
+class CheckedFile:
+    """An external-data file opened once and checked through its descriptor: every later
+    read of it goes through `fd` (or a descriptor reopened and proven to be the same
+    file, by (st_dev, st_ino)), never through its path again, so a file swapped for a
+    symlink after the check is never read."""
+
+    def __init__(self, fd: int, st, loc: str):
+        self.fd, self.loc = fd, loc
+        self.ident = (st.st_dev, st.st_ino)
+        self.size = st.st_size
+
+    def read(self, offset: int, length: int) -> bytes:
+        """`length` bytes at `offset` (fewer when the file was cut short since)."""
+        parts, done = [], 0
+        while done < length:
+            b = os.pread(self.fd, min(length - done, 1 << 30), offset + done)
+            if not b:
+                break
+            parts.append(b)
+            done += len(b)
+        return b"".join(parts)
+
+
+_OPEN: dict = {}  # (folder's real path, location) -> CheckedFile, most recently used last
+_IDENT: dict = {}  # the same keys -> (st_dev, st_ino) checked at load: a reopened file must match
+_SELF: dict = {}  # (folder, name) -> the path of a model file read by reference (its own weights)
+MAX_OPEN = 64  # a model may keep each tensor in its own file: beyond this, descriptors are reopened
 
 
 def allow_self_reference(model_path: str) -> None:
@@ -104,22 +137,76 @@ def allow_self_reference(model_path: str) -> None:
     that location even where the file is a symlink out of its folder (a download cache
     links model files to hashed blobs). Only the file the user named is allowed so."""
     base_real = os.path.realpath(os.path.dirname(os.path.abspath(model_path)))
-    _SELF[(base_real, os.path.basename(model_path))] = os.path.realpath(model_path)
+    key = (base_real, os.path.basename(model_path))
+    _SELF[key] = os.path.abspath(model_path)
+    forget(key)
 
 
-def _regular_size(real: str, loc: str, t: TensorProto, own_file: bool) -> int:
-    """The size of the regular file `real` (opened without blocking, so a FIFO cannot hang
-    us). A data file with several hard links is refused as onnx does (a hard link can
-    bring a file from outside the folder in); the model's own file (own_file) is not."""
+def forget(key) -> None:
+    """Drop what was checked for (folder, location): the next read checks it afresh (a new
+    load of a model checks its files again)."""
+    _IDENT.pop(key, None)
+    f = _OPEN.pop(key, None)
+    if f is not None:
+        os.close(f.fd)
+
+
+def _open_no_symlinks(base_real: str, rel: str) -> int:
+    """A read-only descriptor of `rel` under the folder `base_real`, opened component by
+    component relative to the folder's descriptor with O_NOFOLLOW: a symlink put anywhere
+    on the way after the containment check fails the open (ELOOP/ENOTDIR) instead of
+    being followed. Non-blocking, so a FIFO cannot hang us."""
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    dir_fd = os.open(base_real, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as e:
-        raise GraphmpError(f"tensor '{t.name}': external data file '{loc}' cannot be read ({e.strerror}); "
-                           "copy the model's data file next to it") from None
-    try:
-        st = os.fstat(fd)
+        parts = rel.split(os.sep)
+        for part in parts[:-1]:
+            nxt = os.open(part, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | nofollow, dir_fd=dir_fd)
+            os.close(dir_fd)
+            dir_fd = nxt
+        return os.open(parts[-1], os.O_RDONLY | nofollow | getattr(os, "O_NONBLOCK", 0), dir_fd=dir_fd)
     finally:
+        os.close(dir_fd)
+
+
+def _open_checked(key, t: TensorProto) -> CheckedFile:
+    """Open the data file of (folder, location) once and check the open descriptor: a
+    regular file with one hard link (the model's own file read by reference excepted),
+    the same file (st_dev, st_ino) as checked at load when it was checked before."""
+    base_real, loc = key
+    own_file = key in _SELF
+    try:
+        if own_file:
+            fd = os.open(_SELF[key], os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # the file the user named
+        else:
+            real = _inside(base_real, loc, t)
+            note_inputs([real])
+            fd = _open_no_symlinks(base_real, os.path.relpath(real, base_real))
+    except OSError as e:
+        why = e.strerror
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            why += "; a symlink took the place of a checked path, and graphmp follows none there"
+        raise GraphmpError(f"tensor '{t.name}': external data file '{loc}' cannot be read ({why}); copy the model's "
+                           "data file next to it") from None
+    st = os.fstat(fd)
+    try:
+        _check_opened(st, key, t, own_file)
+    except GraphmpError:
         os.close(fd)
+        raise
+    if len(_OPEN) >= MAX_OPEN:
+        forget_fd = _OPEN.pop(next(iter(_OPEN)))
+        os.close(forget_fd.fd)
+    f = _OPEN[key] = CheckedFile(fd, st, loc)
+    _IDENT.setdefault(key, f.ident)
+    return f
+
+
+def _check_opened(st, key, t: TensorProto, own_file: bool) -> None:
+    """Refuse an opened data file that is not a regular file, has several hard links (a
+    hard link can bring a file from outside the folder in; onnx refuses them too) or is
+    not the file checked before."""
+    loc = key[1]
     if not stat.S_ISREG(st.st_mode):
         raise GraphmpError(f"tensor '{t.name}': external data location '{loc}' is not a regular file "
                            f"({_kind(st.st_mode)}); the weights must be in a plain file next to the model")
@@ -127,27 +214,34 @@ def _regular_size(real: str, loc: str, t: TensorProto, own_file: bool) -> int:
         raise GraphmpError(f"tensor '{t.name}': external data file '{loc}' has {st.st_nlink} hard links; graphmp, "
                            "like onnx, reads only data files with one (a hard link can bring in a file from outside "
                            "the model's folder). Copy the file to give it its own: cp FILE FILE.tmp && mv FILE.tmp FILE")
-    return st.st_size
+    if key in _IDENT and _IDENT[key] != (st.st_dev, st.st_ino):
+        raise GraphmpError(f"tensor '{t.name}': external data file '{loc}' was replaced by another file after "
+                           "graphmp checked it; graphmp reads only the file it checked. Leave the model's folder "
+                           "unchanged while graphmp runs, then run the command again")
 
 
-def external_file(t: TensorProto, base_dir: str, nbytes: int | None = None) -> tuple[str, int, int]:
-    """(real path, offset, length) of an external tensor's data, checked (see the module doc).
-    nbytes: the size the tensor's dims and type call for (checked against length)."""
+def checked_file(t: TensorProto, base_dir: str) -> CheckedFile:
+    """The checked, open data file of an external tensor (see CheckedFile)."""
     if base_dir is None:
         raise GraphmpError(f"tensor '{t.name}' is stored in external data, but the model was given in memory "
                            "without its folder; load it from its file instead")
+    key = (os.path.realpath(base_dir), _entries(t).get("location", ""))
+    f = _OPEN.get(key)
+    if f is not None:
+        _OPEN[key] = _OPEN.pop(key)  # most recently used last
+        return f
+    return _open_checked(key, t)
+
+
+def external_file(t: TensorProto, base_dir: str, nbytes: int | None = None) -> tuple[CheckedFile, int, int]:
+    """(checked open data file, offset, length) of an external tensor's data (see the
+    module doc). nbytes: the size the tensor's dims and type call for (checked against
+    length). The size is taken from the open descriptor every time: the file may have
+    changed since."""
+    f = checked_file(t, base_dir)
     info = _entries(t)
     loc = info.get("location", "")
-    base_real = os.path.realpath(base_dir)
-    key = (base_real, loc)
-    own_file = key in _SELF
-    real = _SELF.get(key) or _REAL.get(key)
-    if real is None:
-        if len(_REAL) > 4096:
-            _REAL.clear()
-        real = _REAL[key] = _inside(base_real, loc, t)
-        note_inputs([real])
-    size = _regular_size(real, loc, t, own_file)  # every time: the file may have changed since
+    size = os.fstat(f.fd).st_size
     offset = _non_negative(t, "offset", info["offset"]) if "offset" in info else 0
     length = _non_negative(t, "length", info["length"]) if "length" in info else (
         nbytes if nbytes is not None else max(size - offset, 0))
@@ -158,11 +252,80 @@ def external_file(t: TensorProto, base_dir: str, nbytes: int | None = None) -> t
         raise GraphmpError(f"tensor '{t.name}': external data file '{loc}' is truncated: the tensor needs bytes "
                            f"{offset}..{offset + length}, the file has {size}. Copy the complete data file next to "
                            "the model")
-    return real, offset, length
+    return f, offset, length
+
+
+@contextlib.contextmanager
+def checked_descriptors(model, base_dir: str | None):
+    """Yields {location: descriptor of its checked data file} for every external-data file
+    the model names (see CheckedFile): duplicates, closed when the block ends, so that no
+    descriptor is closed under the caller while more files than MAX_OPEN are opened.
+    A model with more data files than this process may open raises its soft limit."""
+    tensors = {}
+    for t in iter_tensors(model.graph):
+        if t.data_location == TensorProto.EXTERNAL:
+            tensors.setdefault(_entries(t).get("location", ""), t)
+    if len(tensors) > 256:
+        _allow_open_files(len(tensors) + MAX_OPEN + 256)
+    fds = {}
+    try:
+        for loc, t in tensors.items():
+            fds[loc] = os.dup(checked_file(t, base_dir).fd)
+        yield fds
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _allow_open_files(n: int) -> None:
+    """Raise this process's soft limit on open files to n where the hard limit allows."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < n:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (n if hard == resource.RLIM_INFINITY else min(n, hard), hard))
+    except (ImportError, ValueError, OSError):
+        pass  # then opening fails with a one-line error naming the file
+
+
+def map_descriptors(fds: dict) -> tuple[list, list]:
+    """(locations, read-only maps of the descriptors' files) for ONNX Runtime's
+    add_external_initializers_from_files_in_memory. The maps cost address space, not
+    memory; close them once the session is created."""
+    import mmap
+    names, maps = [], []
+    try:
+        for loc, fd in fds.items():
+            size = os.fstat(fd).st_size
+            names.append(loc)
+            maps.append(mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b"")
+    except BaseException:
+        for m in maps:
+            if not isinstance(m, bytes):
+                m.close()
+        raise
+    return names, maps
+
+
+def external_locations(model) -> list:
+    """The distinct external-data locations the model's tensors name, in first-use order."""
+    out = []
+    for t in iter_tensors(model.graph):
+        if t.data_location == TensorProto.EXTERNAL:
+            loc = _entries(t).get("location", "")
+            if loc not in out:
+                out.append(loc)
+    return out
 
 
 def check_external(model, base_dir: str, tensor_nbytes) -> None:
-    """Check every external tensor of the model (see external_file) before any work."""
+    """Check every external tensor of the model (see external_file) before any work. Each
+    data file is checked afresh (a new load may see a new file) and stays open: every
+    later read of the model's weights reads what was checked here."""
+    base_real = os.path.realpath(base_dir)
+    for loc in external_locations(model):
+        if (base_real, loc) not in _SELF:
+            forget((base_real, loc))
     for t in iter_tensors(model.graph):
         if t.data_location == TensorProto.EXTERNAL:
             if t.data_type in (TensorProto.STRING, TensorProto.UNDEFINED):
@@ -171,10 +334,11 @@ def check_external(model, base_dir: str, tensor_nbytes) -> None:
             external_file(t, base_dir, tensor_nbytes(t))
 
 
-def data_files(model, base_dir: str | None) -> list[str]:
+def data_files(model, base_dir: str | None, inputs: bool = True) -> list[str]:
     """The real paths of the files the model's external tensors name (unchecked: for
     refusing outputs that would overwrite them; a bad location is skipped here and
-    refused by external_file)."""
+    refused by external_file). inputs: remember them as this process's inputs (never
+    deleted); False for a model graphmp is about to replace, not read."""
     if base_dir is None:
         return []
     base_real = os.path.realpath(base_dir)
@@ -187,7 +351,8 @@ def data_files(model, base_dir: str | None) -> list[str]:
             real = os.path.realpath(os.path.join(base_real, loc))
             if real not in out:
                 out.append(real)
-    note_inputs(out)
+    if inputs:
+        note_inputs(out)
     return out
 
 

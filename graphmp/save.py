@@ -4,7 +4,9 @@
   weights tensor by tensor, converting the ones marked for conversion on the way, so
   peak memory stays near the largest tensor. With external data, the model and its data
   file are replaced as a pair (_save_pair): a kill at any instant leaves the old pair or
-  the new one, each consistent.
+  the new one, each consistent. Only data files graphmp wrote for the output are ever
+  removed: the one the old model's metadata records (DATA_FILE_KEY), and orphans of a
+  killed run whose (st_dev, st_ino) it recorded first (_record_owned).
 - `atomic_write` / `write_json` / `save_npz`: other outputs, atomically; an existing
   output that is not a regular file is refused (paths.check_target), or, for text the
   user named, written in place (a FIFO, a device, /dev/stdout).
@@ -160,38 +162,120 @@ def _link_fresh(tmp: str, out_path: str) -> str:
     raise GraphmpError(f"{out_path}: 10000 data files named after it exist already; remove the old ones")
 
 
+DATA_FILE_KEY = "graphmp_data_file"  # metadata: the data file graphmp wrote for this model
+_OWNED_SUFFIX = ".owned.tmp"  # a writer's record of the data file it is about to name OUT[.N].data
+
+
+def _record_owned(record: str | None, out_path: str, files) -> str:
+    """Write (or rewrite) a temporary record, named after the output and this process like
+    every temporary file, of the (st_dev, st_ino) of data files this write owns: the new
+    one before it gets its public name, and the old pair's before the commit. A run killed
+    at any point leaves a record proving which OUT[.N].data files graphmp wrote, so the
+    next write removes those that end up unreferenced, and nothing else. Returns its path."""
+    import json
+    idents = []
+    for f in files:
+        st = os.fstat(f) if isinstance(f, int) else os.lstat(f)
+        idents.append([st.st_dev, st.st_ino])
+    if record is None:
+        fd, record = tempfile.mkstemp(prefix=_tmp_prefix(out_path), suffix=_OWNED_SUFFIX,
+                                      dir=os.path.dirname(out_path))
+    else:
+        fd = os.open(record, os.O_WRONLY | os.O_TRUNC)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"owned": idents}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return record
+
+
+def _orphan_records(d: str, names, head: str) -> tuple[set, list]:
+    """((st_dev, st_ino) of every data file that a killed writer of this output recorded
+    (_record_owned), the record files' paths). Records of live processes are not read."""
+    import json
+    idents, paths = set(), []
+    for name in names:
+        pid = _writer_pid(name, head)
+        if not name.endswith(_OWNED_SUFFIX) or pid in (None, os.getpid()) or _pid_alive(pid):
+            continue
+        path = os.path.join(d, name)
+        try:
+            with open(path, "rb") as f:
+                rec = json.loads(f.read(1 << 16))
+            idents.update((int(dev), int(ino)) for dev, ino in rec["owned"])
+            paths.append(path)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return idents, paths
+
+
 def _remove_orphans(out_path: str, keep) -> None:
-    """Remove OUT.N.data files (N >= 1: names only graphmp gives) that the model now at
-    OUT does not reference: left by a run killed between writing its data and renaming
-    its .onnx. Skipped while another live process writes OUT (its temp files exist)."""
+    """Remove the data files named after OUT that a killed graphmp wrote and the model now
+    at OUT does not reference: those whose (st_dev, st_ino) a dead writer recorded
+    (_record_owned). Any other file, a user's OUT.3.data included, is never removed.
+    Skipped while another live process writes OUT (its temp files exist)."""
     d = os.path.dirname(out_path)
     head = f".graphmp-{os.path.basename(out_path)}-"
     names = os.listdir(d)
     writers = {_writer_pid(n, head) for n in names} - {None, os.getpid()}
     if any(_pid_alive(pid) for pid in writers):
         return
-    first, owned = _owned_data_names(out_path)
-    live = set(_old_data(out_path, ()))
+    idents, records = _orphan_records(d, names, head)
+    _, owned = _owned_data_names(out_path)
+    live = set(_referenced_data(out_path))
     for name in names:
-        f = os.path.realpath(os.path.join(d, name))
-        if name != first and owned.fullmatch(name) and f not in live and f not in keep and os.path.isfile(f) \
-                and not is_input(f):
-            _unlink_quietly(f)
+        path = os.path.join(d, name)
+        if not owned.fullmatch(name) or os.path.realpath(path) in live | set(keep) or is_input(path):
+            continue
+        try:
+            st = os.lstat(path)  # a symlink is never ours
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in idents:
+            _unlink_quietly(path)
+    for path in records:
+        _unlink_quietly(path)
 
 
-def _old_data(out_path: str, keep) -> list[str]:
-    """The data files of the model now at `out_path` that are named after it (OUT.data,
-    OUT.N.data) and are not in `keep`: removed once the new pair has replaced it."""
+def _referenced_data(out_path: str) -> list[str]:
+    """The real paths of the data files the model now at `out_path` references."""
     if not os.path.isfile(out_path):
         return []
     try:
         old = read_by_reference(out_path)
     except Exception:  # noqa: BLE001 - an unreadable old output references nothing we own
         return []
+    return data_files(old, os.path.dirname(os.path.abspath(out_path)), inputs=False)
+
+
+def _old_data(out_path: str, keep) -> list[str]:
+    """The data file of the model now at `out_path` that graphmp wrote for it, to remove
+    once the new pair has replaced it: the one its graphmp metadata records
+    (DATA_FILE_KEY), named after OUT (OUT.data, OUT.N.data), a regular file, not in `keep`
+    and no input. A model graphmp did not write keeps its data files."""
+    if not os.path.isfile(out_path):
+        return []
+    try:
+        old = read_by_reference(out_path)
+    except Exception:  # noqa: BLE001 - an unreadable old output references nothing we own
+        return []
+    recorded = {p.key: p.value for p in old.metadata_props}.get(DATA_FILE_KEY, "")
     _, owned = _owned_data_names(out_path)
-    d = os.path.realpath(os.path.dirname(out_path))
-    return [f for f in data_files(old, d)
-            if os.path.dirname(f) == d and owned.fullmatch(os.path.basename(f)) and f not in keep]
+    if not owned.fullmatch(recorded):
+        return []
+    path = os.path.join(os.path.dirname(out_path), recorded)  # referenced or not: all its tensors may be inline
+    if not os.path.isfile(path) or os.path.islink(path) or os.path.realpath(path) in keep or is_input(path):
+        return []
+    return [os.path.realpath(path)]
+
+
+def _set_data_file_record(model, data_name: str) -> None:
+    """Record in the model's metadata the data file graphmp wrote for it (see _old_data)."""
+    keep = [p for p in model.metadata_props if p.key != DATA_FILE_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(keep)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = DATA_FILE_KEY, data_name
 
 
 def _save_pair(model, out_path: str, src_dir, convert_fn, progress, before_commit=None):
@@ -199,12 +283,13 @@ def _save_pair(model, out_path: str, src_dir, convert_fn, progress, before_commi
     name no file has (OUT.data, else OUT.1.data, ...), the .onnx is renamed over the old
     one last, and only then the old pair's own data file is removed. A kill at any
     instant leaves the old pair or the new pair, each consistent (at worst an orphan
-    data file nothing references); a data file some input reads is never written or
-    removed."""
+    data file nothing references, which the next write removes: its identity was
+    recorded first); a data file some input reads, or that graphmp did not write, is
+    never written or removed."""
     d = os.path.dirname(out_path)
     keep = set(data_files(model, src_dir))
+    _remove_orphans(out_path, keep)  # before the stale temp files go: their records name the orphans
     remove_stale_temp_files(out_path)
-    _remove_orphans(out_path, keep)
     tmp_files = []
     try:
         fd, data_tmp = tempfile.mkstemp(prefix=_tmp_prefix(out_path), suffix=".data.tmp", dir=d)
@@ -214,8 +299,10 @@ def _save_pair(model, out_path: str, src_dir, convert_fn, progress, before_commi
             _stream_tensors(model, data_f, "<data file>", src_dir, convert_fn, progress)
             data_f.flush()
             os.fsync(data_f.fileno())
+            record = _record_owned(None, out_path, [data_f.fileno()])
+            tmp_files.append(record)
         data_name = _link_fresh(data_tmp, out_path)
-        tmp_files.append(os.path.join(d, data_name))  # until the commit: an error removes it
+        tmp_files.insert(0, os.path.join(d, data_name))  # until the commit: an error removes it
         tmp_files.remove(data_tmp)
         os.unlink(data_tmp)  # one link only: onnx refuses data files with several
         for g in iter_graphs(model.graph):
@@ -223,6 +310,7 @@ def _save_pair(model, out_path: str, src_dir, convert_fn, progress, before_commi
                 for e in t.external_data:
                     if e.key == "location":
                         e.value = data_name
+        _set_data_file_record(model, data_name)
         blob = model.SerializeToString()
         if len(blob) >= TWO_GB:
             raise GraphmpError(f"{out_path}: the graph alone is over 2 GB; ONNX cannot store it.")
@@ -236,8 +324,10 @@ def _save_pair(model, out_path: str, src_dir, convert_fn, progress, before_commi
         if before_commit is not None:
             before_commit(model_tmp)
         old = _old_data(out_path, keep | {os.path.realpath(os.path.join(d, data_name))})
+        if old:  # a kill after the commit leaves the old data file: the record proves it is ours
+            _record_owned(record, out_path, [os.path.join(d, data_name)] + old)
         os.replace(model_tmp, out_path)  # the commit: the new pair is live
-        tmp_files = []
+        tmp_files = [record]  # the record goes last: until the old data is gone
         _fsync_dir(d)
         for f in old:
             _unlink_quietly(f)

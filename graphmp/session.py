@@ -65,7 +65,7 @@ def recorded_options(path) -> dict:
         return {}
     try:
         return dict(json.loads(meta).get("ort_cuda_options", {}))
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError, RecursionError):  # the model's metadata, not graphmp's
         return {}
 
 
@@ -104,9 +104,11 @@ def session(path, device: str = "auto", probe: bool = True, **session_options):
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise GraphmpError(f"{path}: no such file. Give the path of a converted .onnx model.")
-    so = ort.SessionOptions()
-    for k, v in session_options.items():
-        setattr(so, k, v)
+    def options():
+        so = ort.SessionOptions()
+        for k, v in session_options.items():
+            setattr(so, k, v)
+        return so
     want_cuda = device != "cpu" and CUDA in ort.get_available_providers()
     if device == "cuda" and not want_cuda:
         raise GraphmpError(f"{path}: device 'cuda' asked for, but this onnxruntime has no {CUDA}; install "
@@ -114,7 +116,10 @@ def session(path, device: str = "auto", probe: bool = True, **session_options):
     providers = [(CUDA, recorded_options(path)), CPU] if want_cuda else [CPU]
     if probe:
         _probe_once(path, providers, session_options)
-    sess = ort.InferenceSession(path, so, providers=providers)
+    from .model_io import load_model
+    from .model_runs import checked_session
+    model = load_model(path, by_reference=True)  # its data files read through the descriptors checked here
+    sess = checked_session(ort, model, os.path.dirname(os.path.abspath(path)), options, providers)
     got = ran_on(sess)
     if want_cuda and got != CUDA and device == "cuda":
         raise GraphmpError(f"{path}: the session came up on {got}, not {CUDA}: check that the CUDA and cuDNN "

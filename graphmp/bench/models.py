@@ -24,7 +24,7 @@ import onnx
 
 from ..convert import MARK_KEY, convert
 from ..errors import GraphmpError
-from ..model_io import model_weight_bytes
+from ..model_io import load_with_weights, model_weight_bytes
 from ..save import save_model
 
 ORT_OPT_TYPES = ("bert", "gpt2", "vit", "clip", "bart", "t5", "swin", "unet", "vae", "gpt_neox", "phi")
@@ -63,7 +63,7 @@ def convert_occ(src: str, dst: str) -> str:
                            "(or pip install onnxconverter-common) for --compare occ") from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        conv = float16.convert_float_to_float16(onnx.load(src), keep_io_types=True)
+        conv = float16.convert_float_to_float16(load_with_weights(src), keep_io_types=True)
     _save(conv, dst, os.path.dirname(os.path.abspath(src)))
     return dst
 

@@ -25,7 +25,7 @@ from ..errors import GraphmpError, first_line
 from ..load_check import LoadCheckFailed, failure_text, probe
 from ..session import CPU, CUDA
 from ..inputs import batch_positions, find_shapes, generate, input_specs, rebatch, user_batches
-from ..model_io import load_model, model_weight_bytes
+from ..model_io import load_model, load_with_weights, model_weight_bytes
 from ..model_runs import run_ort
 from ..model_runs import runner as ort_runner
 from ..paths import check_target, refuse_clobber
@@ -294,7 +294,7 @@ class _Run:
         if batch not in self.emulated:
             if not hasattr(self, "_tf32_run"):
                 base = os.path.dirname(os.path.abspath(self.source))
-                self._tf32_run = ort_runner(tf32_model(onnx.load(self.source)), base_dir=base, optimize=False)
+                self._tf32_run = ort_runner(tf32_model(load_with_weights(self.source)), base_dir=base, optimize=False)
             self.emulated[batch] = J.errors_of(self.reference(batch), self._tf32_run(self.feeds[batch]))
         return self.emulated[batch]
 

@@ -303,6 +303,7 @@ def run_train_parallel(args) -> int:
     from ..errors import GraphmpError
     from ..train.distributed import DistOptions, check_resumable, launch, train_ranks, under_torchrun
     from ..train.runfiles import started_over_note
+    from ..train.runlock import launcher_lock, run_lock
     if args.threads is not None:  # the ranks split the cores themselves (distributed.py)
         raise GraphmpError("--threads is for one process; with --nproc each rank takes cores / N threads "
                            "(leave --threads out)")
@@ -315,13 +316,15 @@ def run_train_parallel(args) -> int:
             raise GraphmpError(f"--max-restarts must be at least 0, not {args.max_restarts}")
         # before any rank starts: a run folder that cannot be resumed by this job is one line, once
         check_resumable(args.run_dir, args.nproc, args.batch_size, not args.no_resume)
-        note = started_over_note(args.run_dir, not args.no_resume)
-        if note and not args.quiet:
-            print(note, file=sys.stderr)
-        return launch(_without_nproc(shlex.split(args.command_line)[1:]), args.nproc, args.max_restarts)
+        with launcher_lock(args.run_dir, "train"):  # its ranks share it
+            note = started_over_note(args.run_dir, not args.no_resume)
+            if note and not args.quiet:
+                print(note, file=sys.stderr)
+            return launch(_without_nproc(shlex.split(args.command_line)[1:]), args.nproc, args.max_restarts)
     opts = DistOptions(timeout_s=args.dist_timeout, backend=args.dist_backend, sync_bn=args.sync_bn,
                        eval_data=args.eval)
-    summary = train_ranks(args.run_dir, args.data, train_config(args), opts)
+    with run_lock(args.run_dir, "train"):  # rank 0's, unless the launcher holds it
+        summary = train_ranks(args.run_dir, args.data, train_config(args), opts)
     if summary is not None and args.summary_json:
         from .outputs import write_json
         write_json(args.summary_json, summary)
@@ -343,10 +346,12 @@ def run_train(args) -> int:
     from ..train.distributed import under_torchrun
     from ..train.loop import format_summary, train
     from ..train.runfiles import os_error
+    from ..train.runlock import run_lock
     if args.nproc is not None or under_torchrun():
         return run_train_parallel(args)
     try:
-        res = train(args.run_dir, args.data, train_config(args), eval_data=args.eval)
+        with run_lock(args.run_dir, "train"):  # one process per run folder
+            res = train(args.run_dir, args.data, train_config(args), eval_data=args.eval)
     except OSError as e:  # one the driver did not name (a full disk, a folder's permissions): still one line
         raise os_error(e, e.filename or args.run_dir) from None
     if not args.quiet:
@@ -367,8 +372,10 @@ def run_train(args) -> int:
 def run_export(args) -> int:
     from ..train.loop import export
     from ..train.runfiles import os_error
+    from ..train.runlock import run_lock
     try:
-        out = export(args.run_dir, args.output, precision="mixed" if args.mixed else "fp32")
+        with run_lock(args.run_dir, "export"):  # not while a train writes the run's checkpoints
+            out = export(args.run_dir, args.output, precision="mixed" if args.mixed else "fp32")
     except OSError as e:  # one the writers did not name (a full disk, a folder's permissions): still one line
         raise os_error(e, e.filename or args.output) from None
     if not args.quiet:

@@ -25,6 +25,7 @@
     cuda_kernels.py  ORT CUDA kernel table for the step graphs' ops; nodes_without_kernel() (docs/cuda_kernels.md)
     plot.py       write_loss_png(): run/loss.png with matplotlib; without it run/loss.csv and a hint
     runfiles.py   a run folder's files: names from its JSON checked, corrupt files and write errors as one line
+    runlock.py    run_lock(): one process per run folder (flock on RUN/.graphmp.lock) for train and export
     evaluator.py  the inference graph with the current weights; eval loss/accuracy
     ort_checks.py ONNX Runtime runs while a step is built (calibration batch, the step graph loads and runs)
     split.py      split_step(): a fused step (expose_grads) cut into a gradient graph and an update graph

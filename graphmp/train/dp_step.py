@@ -22,7 +22,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import onnx
 
 from .flat import GRAD as FLAT_GRAD, WEIGHTS, graph_state
 from .optim import ACCUM_COUNT
@@ -35,9 +34,9 @@ class Halves:
 
     def __init__(self, run_dir: str, meta: dict, threads: int, providers: list):
         import onnxruntime as ort
-        from .runfiles import run_file
+        from .runfiles import load_onnx, run_file
         from .split import split_step
-        step = onnx.load(run_file(run_dir, meta, "step_model"))
+        step = load_onnx(run_file(run_dir, meta, "step_model"))  # inline tensors only: no file the model names
         grad_m, upd_m, self.handed = split_step(step, meta)
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads

@@ -45,10 +45,8 @@ def parse_class_weights(spec) -> list | None:
             if not os.path.isfile(spec):
                 raise GraphmpError(f"{spec}: no such file (class weights: a .npy of one weight per class, "
                                    "or comma-separated numbers)")
-            try:
-                arr = np.load(spec, allow_pickle=False)
-            except (ValueError, OSError) as e:
-                raise GraphmpError(f"{spec}: not a .npy array of class weights ({e})") from None
+            from ..npz import read_npy  # its header checked against the file before it is read
+            arr = read_npy(spec, ".npy array of class weights")
         else:
             try:
                 arr = np.array([float(x) for x in spec.split(",") if x.strip()])

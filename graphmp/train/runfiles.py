@@ -113,9 +113,25 @@ def json_file(run_dir, name: str) -> str | None:
     return path
 
 
+MAX_JSON_DEPTH = 32  # graphmp writes run JSON a few levels deep; deeper is not a run file
+
+
+def _depth(data) -> int:
+    """How deeply lists and objects nest in parsed JSON (iterative: no recursion limit)."""
+    deepest, todo = 0, [(data, 1)]
+    while todo:
+        value, level = todo.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, level)
+            if level <= MAX_JSON_DEPTH:
+                todo.extend((v, level + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
 def read_json(path: str, fix: str) -> dict:
     """The JSON object in the file `path` (a run's train.json / checkpoint.json), or a
-    one-line GraphmpError naming it (unreadable, truncated, corrupt, not an object)."""
+    one-line GraphmpError naming it (unreadable, truncated, corrupt, nested deeper than
+    MAX_JSON_DEPTH, not an object)."""
     try:
         with open(path, "rb") as f:
             data = json.loads(f.read())
@@ -123,6 +139,11 @@ def read_json(path: str, fix: str) -> dict:
         raise GraphmpError(f"{path}: cannot be read ({e.strerror or e}); {fix}") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise GraphmpError(f"{path}: is not valid JSON, truncated or corrupt ({first_line(e, 120)}); {fix}") from None
+    except RecursionError:  # the parser's own limit (about 1000 levels)
+        data = None
+    if data is None or _depth(data) > MAX_JSON_DEPTH:
+        raise GraphmpError(f"{path}: JSON nested more than {MAX_JSON_DEPTH} levels deep, so not a file graphmp "
+                           f"wrote; {fix}")
     if not isinstance(data, dict):
         raise GraphmpError(f"{path}: holds a JSON {type(data).__name__}, not the object graphmp writes; {fix}")
     return data
@@ -298,7 +319,7 @@ def check_run_dir(out_dir: str, force: bool, model_path: str, calibration=None) 
     or replace it); a folder that cannot be written (read-only, permission denied)."""
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise GraphmpError(f"{out_dir}: exists and is not a folder; choose another run folder with -o.")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
+    if os.path.isdir(out_dir) and set(os.listdir(out_dir)) - {".graphmp.lock"} and not force:  # runlock's file
         raise GraphmpError(f"{out_dir}: the run folder is not empty; choose another folder, or pass --force "
                            "(force=True) to replace its run (its checkpoints are deleted).")
     if os.path.isdir(out_dir):
