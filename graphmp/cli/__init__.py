@@ -44,7 +44,8 @@ def _parser():
 def _one_line(text: str) -> str:
     """An error as one printable line: names from a model (tensor, node, location) may hold
     newlines, NULs or terminal escapes, which must not forge lines or reach the terminal."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    from ..names import one_line
+    return one_line(text)
 
 
 class Terminated(BaseException):
@@ -69,13 +70,17 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    """The command, with SIGTERM raised as Terminated; errors as one line and an exit code."""
+    """The command, with SIGTERM raised as Terminated; errors as one line and an exit code.
+    SIGINT and SIGTERM also stop a run inside ONNX Runtime (graphmp.run_limits reads them
+    from the signal wakeup fd, since the Python handler waits for ONNX Runtime to return)."""
+    from ..run_limits import RunLimitExceeded, listen_for_signals
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        listen_for_signals()
     try:
         return COMMANDS[args.cmd][1](args)
-    except GraphmpError as e:
+    except (GraphmpError, RunLimitExceeded) as e:
         print(f"graphmp: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
