@@ -64,9 +64,26 @@ def main(argv=None) -> int:
         _parser().print_help()
         return 2
     try:
-        return _run(args)
+        rc = _run(args)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below and not at exit
+        return rc
     except Terminated:  # a SIGTERM while the command's own ending ran (torchrun stopping a rank that
         return 143      # has already said its error): the exit code says so, no traceback
+    except BrokenPipeError:
+        return _pipe_closed()
+
+
+def _pipe_closed() -> int:
+    """stdout's reader went away (`graphmp check A B | head -c 10`): end quietly, with the
+    exit code of a SIGPIPE (128 + 13). stdout now points to /dev/null, so the flush at exit
+    says nothing either."""
+    import os
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 141
 
 
 def _run(args) -> int:
@@ -83,6 +100,8 @@ def _run(args) -> int:
     except (GraphmpError, RunLimitExceeded) as e:
         print(f"graphmp: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise  # stdout closed: main ends quietly (a write to stderr could fail the same way)
     except KeyboardInterrupt:
         print("graphmp: interrupted; nothing was written", file=sys.stderr)
         return 130
