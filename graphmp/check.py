@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 
 from .errors import GraphmpError, first_line
+from .names import printable_lines, shown
 from .budget import DEFAULT, as_tensor, measure, output_error, parse
 from .emulate import emulated_runner
 from .inputs import find_shapes, input_specs, user_batches
@@ -147,7 +148,7 @@ class CheckReport:
                       + (f"; TF32 error {tf32[name]:.3g}" if name in tf32 else "")
                       + (f"; FP16 input floor {floor[name]:.3g}" if name in floor else "") + ")"
                       if o.get("error") is not None and o.get("allowed") is not None else "not judged by this metric")
-            lines.append(f"  {name}: {'ok ' if o['passed'] else 'BAD'} {judged}; max abs {o['max_abs']:.4g}"
+            lines.append(f"  {shown(name)}: {'ok ' if o['passed'] else 'BAD'} {judged}; max abs {o['max_abs']:.4g}"
                          + (f", argmax agree {o['argmax_agree']:.4f}" if o["argmax_agree"] is not None else "")
                          + (f", NON-FINITE x{o['nonfinite']}" if o["nonfinite"] else ""))
         for w in d["warnings"] + ([v["note"]] if v.get("note") else []):
@@ -155,7 +156,7 @@ class CheckReport:
         lines += [f"  hint: {h}" for h in _hints(d, floor)]
         if d.get("blame"):
             lines.append(f"  where: {d['blame']['hint']}")
-        return "\n".join(lines)
+        return printable_lines(lines)
 
 
 def _hints(d: dict, floor: dict) -> list[str]:

@@ -20,6 +20,7 @@ from .budget import DEFAULT
 from .cast_cost import cast_traffic, summary_line as cast_summary_line
 from .context import Ctx, Options
 from .errors import GraphmpError
+from .names import printable_lines
 from .model_io import (CONVERT_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes, open_model,
                  tensor_nbytes)
 from .save import save_model
@@ -195,7 +196,7 @@ class ConvertReport:
             from .check import CheckReport
             lines.append("  validation: " + CheckReport(d["validation"]).summary().replace("\n", "\n  "))
         lines.append(f"  time: {d['seconds']:.2f} s")
-        return "\n".join(lines)
+        return printable_lines(lines)
 
 
 def _search_line(s: dict) -> str:

@@ -20,6 +20,12 @@ def shown(name, limit: int = NAME_LIMIT) -> str:
     return f"{text[:limit]}..." if len(text) > limit else text
 
 
+def printable_lines(lines) -> str:
+    """Lines of a report joined by newlines, each made one printable line (one_line): a
+    name with a newline or a terminal escape inside cannot forge or hide a line."""
+    return "\n".join(one_line(x) for x in lines)
+
+
 def one_line(text: str) -> str:
     """A whole message as one printable line (no cut): non-printable characters escaped."""
     return text if text.isprintable() else "".join(
