@@ -158,3 +158,47 @@ def test_a_closed_stdout_pipe_ends_quietly(tmp_path):
     finally:
         os.close(w)
     assert p.returncode == 141 and p.stderr == "", p.stderr
+
+
+def _enospc(*a, **kw):
+    import errno
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_train_graph_on_a_full_disk_leaves_no_run_folder_and_says_so_once(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "fsync", _enospc)
+    run = tmp_path / "run"
+    assert main(["train-graph", MNIST, "-o", str(run), "--loss", "cross-entropy", "-q"]) == 2
+    monkeypatch.undo()
+    err = _one_error(capsys, "No space left", "nothing was written (the run folder was not created)")
+    assert "incomplete" not in err and err.count("nothing was written") == 1
+    assert not run.exists() and os.listdir(tmp_path) == []
+
+
+def test_train_graph_force_on_a_full_disk_says_the_old_run_is_gone(mnist_run, tmp_path, capsys, monkeypatch):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(mnist_run / "run", run)
+    monkeypatch.setattr(os, "fsync", _enospc)
+    assert main(["train-graph", MNIST, "-o", str(run), "--loss", "cross-entropy", "--force", "-q"]) == 2
+    monkeypatch.undo()
+    err = _one_error(capsys, "the run folder holds no run now")
+    assert "nothing was written" not in err
+    assert not [f for f in os.listdir(run) if f in ("train.json", "step.onnx", "state.npz", "infer.onnx")]
+
+
+@pytest.mark.parametrize("cmd", ["convert", "pad"])
+def test_a_report_that_cannot_be_written_says_the_model_was(tmp_path, capsys, monkeypatch, cmd):
+    import graphmp.save as save
+    real = save.atomic_write
+
+    def full_for_reports(path, *a, **kw):
+        if os.fspath(path).endswith("r.json"):
+            _enospc()
+        return real(path, *a, **kw)
+    monkeypatch.setattr(save, "atomic_write", full_for_reports)
+    m, out = _relu(tmp_path / "m.onnx", [2, 16]), str(tmp_path / "o.onnx")
+    assert main([cmd, m, "-o", out, "--report", str(tmp_path / "r.json"), "-q"]) == 2
+    err = _one_error(capsys, "r.json", f"the report was not written, but {out} was")
+    assert "nothing was written" not in err
+    onnx.checker.check_model(out)

@@ -7,7 +7,7 @@ import sys
 from ..errors import GraphmpError
 from .args import (add_calibration, add_external_data, add_max_error, add_metric, add_model_type, add_output,
                    add_quiet, add_report, add_shapes, add_tolerances, add_validate)
-from .outputs import default_output, refuse_clobber, writable, write_json
+from .outputs import default_output, refuse_clobber, writable, write_report
 
 EPILOG_CONVERT = """\
 how precision is chosen:
@@ -162,7 +162,7 @@ def run(args) -> int:
                   rtol=args.rtol, verbose=not args.quiet, pad_channels=args.pad_channels,
                   fuse=args.fuse, model_type=args.model_type, plan=args.plan, save_plan=args.save_plan)
     if args.report:
-        write_json(args.report, rep.to_dict())
+        write_report(args.report, rep.to_dict(), out)
     if not args.quiet:
         print(rep.summary())
     return _verdict(args, out, rep.to_dict())

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from .args import add_external_data, add_output, add_quiet, add_report, add_shapes, add_validate
-from .outputs import default_output, refuse_clobber, writable, write_json
+from .outputs import default_output, refuse_clobber, writable, write_report
 
 EPILOG_PAD = """\
 what is padded (with zero weights, so outputs are unchanged):
@@ -57,7 +57,7 @@ def run(args) -> int:
     rep = pad(args.model, out, multiple=args.multiple, stem=args.stem, max_overhead=args.max_overhead,
               external_data=args.external_data, validate=args.validate, shapes=args.shapes)
     if args.report:
-        write_json(args.report, rep.to_dict())
+        write_report(args.report, rep.to_dict(), out)
     if not args.quiet:
         print(f"{args.model} -> {out}")
         print(rep.summary())
