@@ -187,7 +187,8 @@ def _run_sizes(model, batch: dict, names: list, types: dict) -> dict:
     try:
         sess = ort_session(m, optimize=False)  # unoptimised: the Casts stay as they are
         feeds = {i.name: batch[i.name] for i in sess.get_inputs() if i.name in batch}
-        got = guarded("the model: measuring tensor sizes", model_bytes(m))(lambda options: sess.run(names, feeds, options))
+        guard = guarded("the model: measuring tensor sizes", model_bytes(m))
+        got = guard(lambda options: sess.run(names, feeds, options))
     except Exception:  # noqa: BLE001 - the figures stay inferred (approximate), as without measure
         return {}
     return {x: [int(d) for d in np.shape(v)] for x, v in zip(names, got)}

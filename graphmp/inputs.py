@@ -182,8 +182,8 @@ def _refuse_empty(specs: list[Spec], arrays: dict, source: str, what: str) -> No
     shapes = [np.shape(arrays[s.name]) for s in specs]
     ranked = [d for d in shapes if d]
     if shapes and (all(math.prod(d) == 0 for d in shapes) or (ranked and all(d[0] == 0 for d in ranked))):
-        raise GraphmpError(f"{source}: holds 0 samples ({', '.join(f'{shown(s.name)}:{dims_text(d)}' for s, d in zip(specs, shapes))}); "
-                           f"{what} needs at least one sample per batch")
+        held = ", ".join(f"{shown(s.name)}:{dims_text(d)}" for s, d in zip(specs, shapes))
+        raise GraphmpError(f"{source}: holds 0 samples ({held}); {what} needs at least one sample per batch")
 
 
 def user_batches(data, specs: list[Spec], what: str = "data") -> list[tuple[str, dict]]:
