@@ -97,17 +97,18 @@ class _Probe:
                 helper.make_node("Max", [hi, neg], [m], name=self.names.fresh("graphmp_cal_absmax"))], m
 
     def _main_probe(self, x) -> list:
-        """Nodes for a main-graph tensor: max x and min x (each a [1] vector: the reductions
-        keep dims, a Reshape of that one element flattens it) and its Shape; a full chunk
-        is concatenated into the outputs right there, so the scalars do not pile up."""
-        hi, lo, hi1, lo1, s = (self.names.fresh(f"{x}__cal_{k}") for k in ("hi", "lo", "hi1", "lo1", "shape"))
+        """Nodes for a main-graph tensor: max x and min x, each a [1] vector (reductions with
+        kept dims of x flattened: ONNX Runtime's Reshape aliases its input, no copy, the peak
+        memory of a 256 MB activation measured the same), and its Shape; a full chunk is
+        concatenated into the outputs right there, so the scalars do not pile up. Four nodes
+        per tensor: ONNX Runtime's session set-up grows faster than its node count."""
+        flat, hi, lo, s = (self.names.fresh(f"{x}__cal_{k}") for k in ("flat", "hi", "lo", "shape"))
         name = self.names.fresh
-        nodes = [helper.make_node("ReduceMax", [x], [hi], name=name("graphmp_cal_max"), keepdims=1),
-                 helper.make_node("ReduceMin", [x], [lo], name=name("graphmp_cal_min"), keepdims=1),
-                 helper.make_node("Reshape", [hi, self._flat], [hi1], name=name("graphmp_cal_flat")),
-                 helper.make_node("Reshape", [lo, self._flat], [lo1], name=name("graphmp_cal_flat")),
+        nodes = [helper.make_node("Reshape", [x, self._flat], [flat], name=name("graphmp_cal_flat")),
+                 helper.make_node("ReduceMax", [flat], [hi], name=name("graphmp_cal_max"), keepdims=1),
+                 helper.make_node("ReduceMin", [flat], [lo], name=name("graphmp_cal_min"), keepdims=1),
                  helper.make_node("Shape", [x], [s], name=name("graphmp_cal_shape"))]
-        self._pending.append((x, hi1, lo1, s))
+        self._pending.append((x, hi, lo, s))
         return nodes + (self._flush() if len(self._pending) >= CHUNK else [])
 
     def _flush(self) -> list:
