@@ -219,6 +219,8 @@ class _Watchdog:
         self.wake_r, self.wake_w = r, w
 
     def _drain(self) -> bool:
+        """Empty the wakeup pipe; whether it held SIGINT or SIGTERM (each byte is the number
+        of a signal that has a Python handler; other signals do not stop runs)."""
         got = False
         while self.wake_r is not None:
             try:
@@ -227,7 +229,7 @@ class _Watchdog:
                 break
             if not chunk:
                 break
-            got = True
+            got = got or any(b in (signal.SIGINT, signal.SIGTERM) for b in chunk)
         return got
 
     def add(self, run: _Run):

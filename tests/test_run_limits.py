@@ -143,8 +143,10 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("cmd", ["check", "convert"])
-def test_sigterm_ends_a_run_inside_onnxruntime_within_seconds(long_loop, tmp_path, cmd):
+@pytest.mark.parametrize("cmd, sig, code, said", [("check", signal.SIGTERM, 143, "terminated"),
+                                                  ("convert", signal.SIGTERM, 143, "terminated"),
+                                                  ("check", signal.SIGINT, 130, "interrupted")])
+def test_a_signal_ends_a_run_inside_onnxruntime_within_seconds(long_loop, tmp_path, cmd, sig, code, said):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     out = tmp_path / "out"
@@ -160,15 +162,15 @@ def test_sigterm_ends_a_run_inside_onnxruntime_within_seconds(long_loop, tmp_pat
         time.sleep(1.0)  # well inside the 10^7 iterations
         assert p.poll() is None
         t0 = time.monotonic()
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(sig)
         rc = p.wait(timeout=30)
         took = time.monotonic() - t0
         err = p.stderr.read()
     finally:
         if p.poll() is None:
             p.kill()
-    assert rc == 143 and took < 5, (rc, took, err)
-    assert "Traceback" not in err and "terminated" in err
+    assert rc == code and took < 5, (rc, took, err)
+    assert "Traceback" not in err and said in err
     assert os.listdir(out) == []
     # graphmp's temporary files: graphmp-* folders in TMPDIR, .graphmp-* / *.tmp next to outputs
     assert not [f for f in os.listdir(tmp) if "graphmp" in f or f.endswith(".tmp")]
