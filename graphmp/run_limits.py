@@ -148,8 +148,10 @@ def check_trip_counts(model, path: str, limit: int = MAX_LOOP_TRIPS) -> None:
     """A GraphmpError naming the first Loop node (main graph or body) whose constant trip
     count, times those of the Loops around it, exceeds `limit`. Loops whose trip count is
     computed at run time are left to the run's time and memory limits."""
-    from .ir import attr_graphs
+    from .ir import attr_graphs, iter_graphs
     from .names import shown
+    if not any(n.op_type == "Loop" for g in iter_graphs(model.graph) for n in g.node):
+        return  # the common case: no constants to read
 
     def walk(g, outer: dict, around: int, where: str):
         consts = _constant_ints(g, outer)
