@@ -100,12 +100,13 @@ def test_the_default_time_limit_stops_a_trivial_model_within_about_a_minute(monk
     assert RunLimits.for_model(10).seconds is None
 
 
-@pytest.mark.parametrize("cmd", ["check", "convert", "pad"])
+@pytest.mark.parametrize("cmd", ["check", "convert", "pad", "bench"])
 def test_a_run_past_its_time_limit_is_one_line_and_writes_nothing(long_loop, tmp_path, capsys, monkeypatch, cmd):
     monkeypatch.setenv("GRAPHMP_RUN_SECONDS", "1")
     out = str(tmp_path / "out.onnx")
     argv = {"check": ["check", long_loop, long_loop], "convert": ["convert", long_loop, "-o", out],
-            "pad": ["pad", long_loop, "-o", out, "--validate"]}[cmd]
+            "pad": ["pad", long_loop, "-o", out, "--validate"],
+            "bench": ["bench", long_loop, "--backends", "ort-cpu", "--json", out]}[cmd]  # an error, not a failed row
     t0 = time.monotonic()
     rc = main(argv)
     err = _err(capsys)
