@@ -157,6 +157,7 @@ def _run_sizes(model, batch: dict, names: list, types: dict) -> dict:
     if not names:
         return {}
     from .model_runs import ort_session
+    from .run_limits import guarded, model_bytes
     m = onnx.ModelProto()
     m.CopyFrom(model)
     declared = {o.name for o in m.graph.output}
@@ -164,7 +165,9 @@ def _run_sizes(model, batch: dict, names: list, types: dict) -> dict:
                           for x in names if x not in declared)
     try:
         sess = ort_session(m, optimize=False)  # unoptimised: the Casts stay as they are
-        got = sess.run(names, {i.name: batch[i.name] for i in sess.get_inputs() if i.name in batch})
+        feeds = {i.name: batch[i.name] for i in sess.get_inputs() if i.name in batch}
+        guard = guarded("the model: measuring tensor sizes", model_bytes(m))
+        got = guard(lambda options: sess.run(names, feeds, options))
     except Exception:  # noqa: BLE001 - the figures stay inferred (approximate), as without measure
         return {}
     return {x: [int(d) for d in np.shape(v)] for x, v in zip(names, got)}

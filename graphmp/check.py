@@ -36,6 +36,7 @@ import numpy as np
 import onnx
 
 from .errors import GraphmpError, first_line
+from .names import printable_lines, shown
 from .budget import DEFAULT, as_tensor, measure, output_error, parse
 from .emulate import emulated_runner
 from .inputs import find_shapes, input_specs, user_batches
@@ -153,7 +154,7 @@ class CheckReport:
         lines += [f"  hint: {h}" for h in verdict.hints(d)]
         if d.get("blame"):
             lines.append(f"  where: {d['blame']['hint']}")
-        return "\n".join(lines)
+        return printable_lines(lines)
 
 
 def _headline(d: dict) -> str:
@@ -179,7 +180,7 @@ def _output_line(d: dict, name: str, o: dict) -> str:
               + (f"; FP16 input floor {floor[name]:.3g}" if name in floor else "") + ")"
               if o.get("error") is not None and o.get("allowed") is not None else "not judged by this metric")
     verdict_word = "n/a" if o.get("not_judged") else "ok " if o["passed"] else "BAD"
-    head = f"  {name}: {verdict_word} " + (f"not judged: {o['not_judged']}; " if o.get("not_judged") else "")
+    head = f"  {shown(name)}: {verdict_word} " + (f"not judged: {o['not_judged']}; " if o.get("not_judged") else "")
     return (head + f"{judged}; max abs {o['max_abs']:.4g}" + _decisions_text(o)
             + (f", NON-FINITE x{o['nonfinite']}" if o["nonfinite"] else ""))
 

@@ -24,6 +24,7 @@ from .load_check import Gate, LoadCheckFailed
 from .load_check import summary_line as load_check_line
 from .model_io import (CONVERT_MARK, REASON_MARK, TWO_GB, iter_graphs, is_external, materialize, model_weight_bytes,
                        open_model, tensor_nbytes)
+from .names import printable_lines
 from .save import save_model
 from .wire import is_self_reference
 from .passes import (PassResult, Step, apply, calibrate, checking, classify, fuse, islands, kv_cache, legalize,
@@ -208,7 +209,7 @@ class ConvertReport:
             from .check import CheckReport
             lines.append("  validation: " + CheckReport(d["validation"]).summary().replace("\n", "\n  "))
         lines.append(f"  time: {d['seconds']:.2f} s")
-        return "\n".join(lines)
+        return printable_lines(lines)
 
 
 def _search_line(s: dict) -> str:

@@ -31,6 +31,7 @@ If branch) gets that constant, so the real branch runs; integer lengths (names l
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -42,6 +43,7 @@ from onnx import TensorProto
 
 from .errors import GraphmpError, first_line
 from .input_roles import padded_mask, periodic_hints, positions
+from .names import shown
 from .model_io import load_npz
 from .policy import FLOAT_TYPES
 
@@ -177,6 +179,17 @@ def check_feeds(specs: list[Spec], arrays: dict, source: str) -> None:
                                "measured on NaN mean nothing: remove or replace them")
 
 
+def _refuse_empty(specs: list[Spec], arrays: dict, source: str, what: str) -> None:
+    """A batch of 0 samples (every input empty, or every ranked input 0 long on its first
+    axis) is an error: nothing would be measured, and the ranges or errors would say
+    nothing. One empty input among others (an empty KV cache) is fine."""
+    shapes = [np.shape(arrays[s.name]) for s in specs]
+    ranked = [d for d in shapes if d]
+    if shapes and (all(math.prod(d) == 0 for d in shapes) or (ranked and all(d[0] == 0 for d in ranked))):
+        held = ", ".join(f"{shown(s.name)}:{dims_text(d)}" for s, d in zip(specs, shapes))
+        raise GraphmpError(f"{source}: holds 0 samples ({held}); {what} needs at least one sample per batch")
+
+
 def user_batches(data, specs: list[Spec], what: str = "data") -> list[tuple[str, dict]]:
     """[(source, feeds)] from .npz path(s) or dicts of arrays (one or a list), each checked
     against the model's inputs (check_feeds); feeds hold exactly the model's inputs."""
@@ -191,6 +204,7 @@ def user_batches(data, specs: list[Spec], what: str = "data") -> list[tuple[str,
         else:
             source, arrays = f"{what} batch {i}", dict(item)
         check_feeds(specs, arrays, source)
+        _refuse_empty(specs, arrays, source, what)
         out.append((source, {s.name: arrays[s.name] for s in specs}))
     return out
 
@@ -274,8 +288,19 @@ def _selector_values(model: onnx.ModelProto) -> dict:
 _LENGTHS = re.compile(r"(^|_)(lens?|lengths?|seq_?lens?|num_frames)$", re.I)
 
 
+MAX_GENERATED_ELEMENTS = 1 << 28  # 1 GiB of float32 per input: a declared 10^12-element input is refused
+
+
 def generate(specs: list[Spec], shapes: dict, seed: int = 0, hints: dict | None = None) -> dict:
-    """Deterministic inputs of the given shapes (see the module docstring for values)."""
+    """Deterministic inputs of the given shapes (see the module docstring for values).
+    An input of more than MAX_GENERATED_ELEMENTS elements is a GraphmpError naming it,
+    before anything is allocated."""
+    for s in specs:
+        count = math.prod(int(d) for d in shapes[s.name])
+        if count > MAX_GENERATED_ELEMENTS:
+            raise GraphmpError(f"input {shown(s.name)} of shape {dims_text(shapes[s.name])} would be {count} elements, "
+                               f"more than graphmp generates ({MAX_GENERATED_ELEMENTS}); give smaller --shapes or "
+                               "real data (--data / --calibration)")
     rng = np.random.default_rng(seed)
     hints = hints or {}
     full = max((d for s in specs if s.elem not in INT_ELEMS for d in shapes[s.name][1:]), default=1)

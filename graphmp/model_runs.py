@@ -19,7 +19,10 @@ models the same kernels with FP32 math on ONNX Runtime.
 Overrides where onnx.reference departs from the spec: BatchNormalization always in
 inference mode, and Loop (graphmp.reference_ops); ONNX Runtime's fused com.microsoft
 ops of `--fuse ort` models run with graphmp.fused_ops (FP32 math, outputs rounded once).
-`runner(model)` wraps one ONNX Runtime session as a function of the feeds.
+`runner(model)` wraps one ONNX Runtime session as a function of the feeds; each of its
+runs is bounded and stoppable (graphmp.run_limits: a time and a memory limit, SIGINT and
+SIGTERM end it inside ONNX Runtime). The reference oracle runs in Python: Ctrl-C and
+SIGTERM stop it between ops, the limits do not apply to it.
 """
 from __future__ import annotations
 
@@ -112,21 +115,31 @@ def _session_through_descriptors(ort, model, fds: dict, so, providers):
     return ort.InferenceSession(blob, so, providers=providers)
 
 
-def runner(model, providers=None, base_dir=None, optimize=True):
+def runner(model, providers=None, base_dir=None, optimize=True, what: str | None = None):
     """One ONNX Runtime session as a function feeds -> {output name: array} (arrays in
     `feeds` that are not inputs are ignored; a float32 array fed to an input the model
     declares float16, such as a KV cache converted with --cache-io fp16, is rounded to
-    it, as the model's caller stores it). `.session` is the session."""
+    it, as the model's caller stores it), each run under graphmp.run_limits (`what` names
+    the model in a limit's error: default its path, or "the model"). `.session` is the
+    session."""
+    from .run_limits import guarded, model_bytes
     sess = ort_session(model, providers, base_dir, optimize=optimize)
     names = [o.name for o in sess.get_outputs()]
     wanted = [i.name for i in sess.get_inputs()]
     half = {i.name for i in sess.get_inputs() if i.type == "tensor(float16)"}
+    guard = guarded(what or _label(model), model_bytes(model))
 
     def run(feeds: dict) -> dict:
-        return dict(zip(names, sess.run(names, {k: feeds[k].astype(np.float16) if k in half and getattr(
-            feeds[k], "dtype", None) == np.float32 else feeds[k] for k in wanted})))
+        chosen = {k: feeds[k].astype(np.float16) if k in half and getattr(feeds[k], "dtype", None) == np.float32
+                  else feeds[k] for k in wanted}
+        return dict(zip(names, guard(lambda options: sess.run(names, chosen, options))))
     run.session = sess
     return run
+
+
+def _label(model) -> str:
+    from .names import shown
+    return "the model" if isinstance(model, onnx.ModelProto) else shown(os.fspath(model), 300)
 
 
 def run_ort(model, feeds: dict, providers=None) -> dict:

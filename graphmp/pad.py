@@ -23,6 +23,7 @@ from .version import __version__
 from .errors import GraphmpError
 from .load_check import Gate, LoadCheckFailed
 from .load_check import summary_line as load_check_line
+from .names import printable_lines, shown
 from .model_io import is_external, iter_graphs, load_model, materialize, model_weight_bytes, open_model
 from .save import save_model
 from .ir import Names, name_nodes
@@ -54,7 +55,7 @@ def summarize(d: dict) -> str:
              f"{len(d['unaligned'])} left unaligned, {d['slice_nodes']} Slice/Gather nodes where padded "
              "channels become observable"]
     for p in d["padded"]:
-        lines.append(f"    {p['node']} ({p['op_type']}) {p['dim']}: {p['old']} -> {p['new']}")
+        lines.append(f"    {shown(p['node'])} ({p['op_type']}) {p['dim']}: {p['old']} -> {p['new']}")
     for s in d["stem"]:
         lines.append(f"    stem {s['node']}: {s['choice']}")
     if d["flops_model_before"]:
@@ -64,7 +65,7 @@ def summarize(d: dict) -> str:
     lines.append(f"  added weight bytes: {d['weight_bytes_added'] / 1e6:.3f} MB"
                  + (f" ({100 * d['weight_bytes_added'] / d['weight_bytes_before']:.2f}%)" if d.get("weight_bytes_before") else ""))
     for u in d["unaligned"]:
-        lines.append(f"    unaligned {u['node']} ({u['op_type']}) {u['dim']}={u['value']}: {u['reason']}")
+        lines.append(f"    unaligned {shown(u['node'])} ({u['op_type']}) {u['dim']}={u['value']}: {u['reason']}")
     if "aligned_after" in d:
         a, b = d["aligned_before"], d["aligned_after"]
         lines.append(f"  weight layers with every dim a multiple of {d['multiple']}: {a['aligned']}/{a['weight_layers']} "
@@ -76,7 +77,7 @@ def summarize(d: dict) -> str:
         lines.append(f"  warning: {w}")
     if load_check_line(d.get("load_check")):
         lines.append(load_check_line(d.get("load_check")))
-    return "\n".join(lines)
+    return printable_lines(lines)
 
 
 def _const_shapes(graph) -> dict:

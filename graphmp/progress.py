@@ -98,10 +98,12 @@ def native_stdout_to_stderr(shown: bool = True):
     try:
         yield
     finally:
-        sys.stdout.flush()
-        sys.stdout = python_stdout
-        os.dup2(real, 1)
-        os.close(real)
+        try:
+            sys.stdout.flush()  # a closed pipe raises here: the caller ends quietly, stdout restored first
+        finally:
+            sys.stdout = python_stdout
+            os.dup2(real, 1)
+            os.close(real)
 
 
 class Progress:

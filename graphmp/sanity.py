@@ -26,6 +26,11 @@ petabyte weight). `check_graph` checks every graph, If/Loop/Scan subgraphs inclu
    elements but no data is an error; an attribute tensor without data is left alone.
 5. Absurd declared sizes follow from 4: sizes are Python ints computed from dims (no
    overflow, nothing allocated), and the bytes present must match them.
+6. Names (graphs, nodes, tensors, value infos) are at most MAX_NAME_CHARS characters: a
+   100 KB name is no exporter's, and every regex a user matches against names
+   (--fp32-nodes) and every line that prints one stays quick.
+7. Loops end: a Loop whose constant trip count (times those of the Loops around it) is
+   over graphmp.run_limits.MAX_LOOP_TRIPS is refused, naming the Loop node.
 
 External-data tensors (including the large weights load_model(by_reference=True)
 points back into the .onnx file) have their type and dims checked here; their data is
@@ -40,8 +45,10 @@ import math
 from onnx import AttributeProto, TensorProto
 
 from .errors import GraphmpError
+from .names import shown
 
 MALFORMED = "the model is malformed (a broken exporter or a damaged file): re-export it"
+MAX_NAME_CHARS = 4096
 
 # data_type -> (raw_data bytes per element as (num, den), typed field, field values per element (num, den))
 _SPEC_BY_NAME = {
@@ -65,15 +72,38 @@ _TYPED_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "doubl
 def check_graph(model, path: str) -> None:
     """Raise one GraphmpError (one line naming the file, graph and node/tensor, and what
     to do) when the model's graphs cannot be a valid ONNX graph; see the module doc."""
+    from .run_limits import check_trip_counts
     g = model.graph
     _check_graph(g, path, f"main graph {_q(g.name)}" if g.name else "main graph", [])
+    check_trip_counts(model, path)
 
 
 def _s(text: str, limit: int = 120) -> str:
     """Text from the model made safe for a one-line message (control characters escaped,
-    long names cut)."""
-    s = text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
-    return f"{s[:limit]}..." if len(s) > limit else s
+    long names cut): graphmp.names.shown."""
+    return shown(text, limit)
+
+
+def _check_name_lengths(g, path: str, where: str) -> None:
+    """Every name g declares or uses (its own, its nodes', their inputs and outputs, graph
+    inputs, outputs, initializers, value infos) is at most MAX_NAME_CHARS long."""
+    def names():
+        yield "graph name", g.name
+        for kind, vs in (("input", g.input), ("output", g.output), ("value_info", g.value_info)):
+            for v in vs:
+                yield kind, v.name
+        for t in g.initializer:
+            yield "initializer", t.name
+        for n in g.node:
+            yield "node name", n.name
+            for x in n.input:
+                yield f"input of node {_q(n.name)}", x
+            for x in n.output:
+                yield f"output of node {_q(n.name)}", x
+    for kind, name in names():
+        if len(name) > MAX_NAME_CHARS:
+            _fail(path, f"{where}: a {kind} is {len(name)} characters long ({_q(name)}), more than the "
+                  f"{MAX_NAME_CHARS} graphmp accepts", "rename it (no exporter writes such names)")
 
 
 def _q(name: str) -> str:
@@ -99,6 +129,7 @@ def _sub_graphs(a) -> list:
 def _check_graph(g, path: str, where: str, outer: list) -> set:
     """Check graph `g` (and its subgraphs) whose enclosing graphs define the names in
     `outer` (one dict per level); returns the outer-scope names it reads."""
+    _check_name_lengths(g, path, where)
     _check_tensors(g, path, where)
     defined = _definitions(g, path, where)
     scopes = outer + [defined]

@@ -164,13 +164,19 @@ def test_probe_reduces_each_tensor_right_after_its_producer_and_never_returns_it
     probe = _Probe(ctx.model, dict(ctx.types, main={**ctx.types["main"], **proven}))
     g = probe.model.graph
     order = [n.output[0] for n in g.node]
-    for tensor in ("x", "h", "f", "y"):
-        first_use = next(i for i, n in enumerate(g.node) if tensor in n.input and n.op_type == "ReduceMax")
+    for tensor in ("x", "h", "f", "y"):  # flattened (a Reshape: an alias, no copy), then reduced
+        first_use = next(i for i, n in enumerate(g.node) if tensor in n.input and n.op_type == "Reshape")
         producer = order.index(tensor) if tensor in order else -1
         assert first_use == producer + 1, (tensor, order)
-    # only scalars come back, and the dims of each main-graph tensor (an INT64 vector of its rank)
-    assert all(len(o.type.tensor_type.shape.dim) == 0 or (o.name in probe.shape_of and o.type.tensor_type.elem_type
-                                                          == onnx.TensorProto.INT64) for o in g.output[1:])
+        assert [n.op_type for n in g.node[first_use + 1:first_use + 3]] == ["ReduceMax", "ReduceMin"]
+    # only per-tensor scalars come back (one vector of max x and one of min x for the four
+    # tensors, as few outputs as chunks), and their dims (an INT64 vector, -1 after each)
+    (hi, lo, dims, tensors), = probe.chunks
+    assert sorted(tensors) == ["f", "h", "x", "y"] and probe.shape_of == {dims: tensors}
+    outs = {o.name: o.type.tensor_type for o in g.output[1:]}
+    assert set(outs) == {hi, lo, dims}
+    assert [d.dim_value for d in outs[hi].shape.dim] == [d.dim_value for d in outs[lo].shape.dim] == [4]
+    assert outs[dims].elem_type == onnx.TensorProto.INT64
     cal = calibrate(ctx.model, ctx.types, data=[{"x": np.ones((2, 8), np.float32)}])
     want = np.abs(run_ort(m, {"x": np.ones((2, 8), np.float32)})["y"]).max()
     assert cal.proven_types == {"f": F32} and cal.ranges[("main", "f")] >= want > 10

@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from ..errors import GraphmpError
+from ..names import printable_lines, shown
 from ..save import atomic_write, write_json
 from ..paths import check_target
 from .plan import LABELS, PRECISIONS
@@ -36,6 +37,7 @@ def _fmt(v, spec=".3g", none="-"):
 
 
 def _md(headers, rows) -> str:
+    rows = [[shown(c) for c in r] for r in rows]  # names from the model: escaped, cut
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
               for i, h in enumerate(headers)]
     line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
@@ -90,8 +92,8 @@ class BenchResult:
     def table(self) -> str:
         d = self.data
         env = d["environment"]
-        lines = [f"graphmp bench: {d['model']['path']} on {env['device']}",
-                 _md(HEAD, [_row_cells(r) for r in d["rows"]])]
+        lines = [f"graphmp bench: {d['model']['path']} on {env['device']}"]
+        table = _md(HEAD, [_row_cells(r) for r in d["rows"]])  # its cells escaped already
         if d.get("partial"):  # Ctrl-C: the rows above are those that finished
             lines.append(f"  PARTIAL: {d.get('interrupted') or 'interrupted'}")
         src = d["model"].get("source_precision") or {}
@@ -142,7 +144,7 @@ class BenchResult:
         lines.append(f"  environment: {versions}; driver {env['driver'] or '-'}; CUDA {env['cuda'] or '-'}; "
                      f"cuDNN {env['cudnn'] or '-'}; {env['timestamp']}")
         lines.append(f"  command: {env['command']}")
-        return "\n".join(lines)
+        return printable_lines(lines[:1]) + "\n" + table + "\n" + printable_lines(lines[1:])
 
     summary = table
 

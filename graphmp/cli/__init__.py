@@ -83,7 +83,8 @@ def _native_output(args):
 def _one_line(text: str) -> str:
     """An error as one printable line: names from a model (tensor, node, location) may hold
     newlines, NULs or terminal escapes, which must not forge lines or reach the terminal."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    from ..names import one_line
+    return one_line(text)
 
 
 class Terminated(BaseException):
@@ -104,23 +105,46 @@ def main(argv=None) -> int:
     _set_verbosity(args)
     try:
         with _native_output(args):
-            return _run(args)
+            rc = _run(args)
+            sys.stdout.flush()  # here, so that a closed pipe is caught below and not at exit
+        return rc
     except Terminated:  # a SIGTERM while the command's own ending ran (torchrun stopping a rank that
         return 143      # has already said its error): the exit code says so, no traceback
+    except BrokenPipeError:
+        return _pipe_closed()
     finally:
         set_verbosity(None)  # a library call after main() (in the same process) is not a command
 
 
+def _pipe_closed() -> int:
+    """stdout's reader went away (`graphmp check A B | head -c 10`): end quietly, with the
+    exit code of a SIGPIPE (128 + 13). stdout now points to /dev/null, so the flush at exit
+    says nothing either."""
+    import os
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 141
+
+
 def _run(args) -> int:
-    """The command, with SIGTERM raised as Terminated; errors as one line and an exit code."""
+    """The command, with SIGTERM raised as Terminated; errors as one line and an exit code.
+    SIGINT and SIGTERM also stop a run inside ONNX Runtime (graphmp.run_limits reads them
+    from the signal wakeup fd, since the Python handler waits for ONNX Runtime to return)."""
+    from ..run_limits import RunLimitExceeded, listen_for_signals
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        listen_for_signals()
     try:
         return COMMANDS[args.cmd][1](args)
-    except GraphmpError as e:
+    except (GraphmpError, RunLimitExceeded) as e:
         print(f"graphmp: error: {_one_line(str(e))}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise  # stdout closed: main ends quietly (a write to stderr could fail the same way)
     except KeyboardInterrupt:
         print("graphmp: interrupted; nothing was written", file=sys.stderr)
         return 130

@@ -7,7 +7,7 @@ import sys
 from ..errors import GraphmpError
 from .args import (add_calibration, add_external_data, add_load_check, add_max_error, add_metric, add_model_type,
                    add_output, add_quiet, add_report, add_shapes, add_tolerances, add_validate)
-from .outputs import default_output, load_check_failed, refuse_clobber, writable, write_json
+from .outputs import default_output, load_check_failed, refuse_clobber, writable, write_json, write_report
 
 # after a failed load check whose model loads with ORT_ENABLE_EXTENDED (an optimizer of ORT_ENABLE_ALL breaks on it)
 LOAD_CHECK_FIX = ("Fix: keep the nodes around the failing pattern FP32 (--fp32-nodes REGEX, --fp32-ops OP) and convert "
@@ -179,15 +179,19 @@ def run(args) -> int:
     try:
         rep = _convert(args, out, cal)
     except LoadCheckFailed as e:
-        _print_report(args, e.report)
+        _print_report(args, e.report, None)
         return load_check_failed(e, out, LOAD_CHECK_FIX)
-    _print_report(args, rep)
+    _print_report(args, rep, out)
     return _verdict(args, out, rep.to_dict())
 
 
-def _print_report(args, rep) -> None:
+def _print_report(args, rep, written: str | None) -> None:
+    """--report (written: the output the report follows, None when none was written) and the summary."""
     if args.report:
-        write_json(args.report, rep.to_dict())
+        if written is None:
+            write_json(args.report, rep.to_dict())
+        else:
+            write_report(args.report, rep.to_dict(), written)
     if not args.quiet:
         print(rep.summary())
 

@@ -13,6 +13,19 @@ def write_json(path, data):
     return write(path, data, in_place_ok=True)
 
 
+def write_report(path, data, written: str):
+    """write_json for a report written after the command's main output `written` (convert,
+    pad): a failure (a full disk) says that output was written and the report was not,
+    never "nothing was written"."""
+    import re
+    from ..errors import GraphmpError
+    try:
+        write_json(path, data)
+    except GraphmpError as e:
+        said = re.sub(r"[;.] *nothing was written\.?$", "", str(e))
+        raise GraphmpError(f"{said}; the report was not written, but {written} was (complete)") from None
+
+
 def refuse_clobber(outputs, models=(), files=()):
     """One line before any work when an output (label, path) is one of the input files:
     each model in `models` (label, path) with the data files it references, and `files`

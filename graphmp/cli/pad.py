@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from .args import add_external_data, add_load_check, add_output, add_quiet, add_report, add_shapes, add_validate
-from .outputs import default_output, load_check_failed, refuse_clobber, writable, write_json
+from .outputs import default_output, load_check_failed, refuse_clobber, writable, write_json, write_report
 
 EPILOG_PAD = """\
 what is padded (with zero weights, so outputs are unchanged):
@@ -70,7 +70,7 @@ def run(args) -> int:
                                  "check SOURCE checks it); please report the model. --no-load-check writes it anyway, "
                                  "for sessions opened with graph_optimization_level=ORT_ENABLE_EXTENDED.")
     if args.report:
-        write_json(args.report, rep.to_dict())
+        write_report(args.report, rep.to_dict(), out)
     if not args.quiet:
         print(f"{args.model} -> {out}")
         print(rep.summary())

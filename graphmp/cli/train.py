@@ -285,6 +285,9 @@ def _say_built(meta: dict, output: str) -> None:
               f"{cost['cast_mb']:g} MB per step")
 
 
+MAX_NPROC = 64  # local ranks: one machine's GPUs or cores; beyond, each rank starts a process for nothing
+
+
 def _without_nproc(argv: list) -> list:
     out, skip = [], False
     for a in argv:
@@ -310,8 +313,9 @@ def run_train_parallel(args) -> int:
     if args.cuda_graph:
         raise GraphmpError("--cuda-graph is for one process; leave it out with --nproc")
     if not under_torchrun():
-        if args.nproc is None or args.nproc < 1:
-            raise GraphmpError(f"--nproc must be at least 1, not {args.nproc}")
+        if args.nproc is None or not 1 <= args.nproc <= MAX_NPROC:
+            raise GraphmpError(f"--nproc must be between 1 and {MAX_NPROC} local ranks, not {args.nproc} (more "
+                               "ranks on one machine: start torchrun on several nodes)")
         if args.max_restarts < 0:
             raise GraphmpError(f"--max-restarts must be at least 0, not {args.max_restarts}")
         # before any rank starts: a run folder that cannot be resumed by this job is one line, once

@@ -23,6 +23,7 @@ from graphmp.inputs.find_shapes, whose successful trial runs are the batches.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +37,8 @@ from ..model_io import attr_graphs, model_weight_bytes
 from ..ir import Names
 from ..model_runs import ort_session
 from ..input_roles import unknown_periodic
+from ..names import shown
+from ..run_limits import guarded, model_bytes
 from . import PassResult
 
 AUTO_LIMIT = 1 << 30
@@ -53,10 +56,19 @@ class Calibration:
 
 
 # --------------------------------------------------------------------------- probe
+CHUNK = 256  # main-graph tensors whose ranges (and dims) come back as one output each
+
+
 class _Probe:
-    """Adds the range outputs to a copy of the model. `outputs` maps each new main-graph
-    output to the (graph key, tensor) whose max |x| it carries (or, for tensors of
-    unknown type, to the tensor returned as it is)."""
+    """Adds the range outputs to a copy of the model.
+
+    Main-graph tensors come back in chunks of CHUNK: for each chunk one FLOAT vector of
+    max x, one of min x and one INT64 vector of their dims, each followed by -1
+    (`chunks`: [(max output, min output, dims output, [tensor, ...])]; `shape_of[dims
+    output]` = the tensors). One output per tensor
+    made ONNX Runtime's session set-up and first run super-linear in the number of
+    outputs (a 100k-node chain: 563 s). A body tensor's max |x| reaches the main graph as
+    an extra output of its If/Loop/Scan: `scalars[output] = (graph key, tensor)`."""
 
     def __init__(self, model, types):
         self.model = onnx.ModelProto()
@@ -64,13 +76,17 @@ class _Probe:
         self.types = types
         self.names = Names(self.model)
         self.scalars: dict = {}     # main-graph output name -> (graph key, tensor)
-        self.shape_of: dict = {}    # main-graph output name -> the main-graph tensor whose Shape it is
+        self.chunks: list = []      # [(max output, min output, dims output, [tensor, ...])]
+        self.shape_of: dict = {}    # main-graph output name -> [tensor, ...] whose dims it carries
+        self._pending: list = []    # main-graph (tensor, hi, lo, shape) not yet in a chunk
         g = self.model.graph
+        self._flat = self.names.fresh("graphmp_cal_flat")
+        self._sep = self.names.fresh("graphmp_cal_sep")
+        g.initializer.extend([onnx.numpy_helper.from_array(np.array([-1], np.int64), self._flat),
+                              onnx.numpy_helper.from_array(np.array([-1], np.int64), self._sep)])
         for name, key in self._instrument(g, "main"):
             g.output.append(helper.make_tensor_value_info(name, FLOAT, []))
             self.scalars[name] = key
-        for name in self.shape_of:
-            g.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.INT64, [None]))
 
     def _max_abs(self, x) -> tuple[list, str]:
         """(nodes, scalar) for max |x| = max(max x, -min x): two scalar reductions and no
@@ -81,24 +97,57 @@ class _Probe:
                 helper.make_node("Neg", [lo], [neg], name=self.names.fresh("graphmp_cal_neg")),
                 helper.make_node("Max", [hi, neg], [m], name=self.names.fresh("graphmp_cal_absmax"))], m
 
+    def _main_probe(self, x) -> list:
+        """Nodes for a main-graph tensor: max x and min x, each a [1] vector (reductions with
+        kept dims of x flattened: ONNX Runtime's Reshape aliases its input, no copy, the peak
+        memory of a 256 MB activation measured the same), and its Shape; a full chunk is
+        concatenated into the outputs right there, so the scalars do not pile up. Four nodes
+        per tensor: ONNX Runtime's session set-up grows faster than its node count."""
+        flat, hi, lo, s = (self.names.fresh(f"{x}__cal_{k}") for k in ("flat", "hi", "lo", "shape"))
+        name = self.names.fresh
+        nodes = [helper.make_node("Reshape", [x, self._flat], [flat], name=name("graphmp_cal_flat")),
+                 helper.make_node("ReduceMax", [flat], [hi], name=name("graphmp_cal_max"), keepdims=1),
+                 helper.make_node("ReduceMin", [flat], [lo], name=name("graphmp_cal_min"), keepdims=1),
+                 helper.make_node("Shape", [x], [s], name=name("graphmp_cal_shape"))]
+        self._pending.append((x, hi, lo, s))
+        return nodes + (self._flush() if len(self._pending) >= CHUNK else [])
+
+    def _flush(self) -> list:
+        """Concat nodes (and graph outputs) for the pending main-graph tensors."""
+        if not self._pending:
+            return []
+        tensors = [p[0] for p in self._pending]
+        g, name = self.model.graph, self.names.fresh
+        hi, lo, dims = name("graphmp_cal_hi"), name("graphmp_cal_lo"), name("graphmp_cal_dims")
+        nodes = [helper.make_node("Concat", [p[1] for p in self._pending], [hi], name=name("graphmp_cal_cat"), axis=0),
+                 helper.make_node("Concat", [p[2] for p in self._pending], [lo], name=name("graphmp_cal_cat"), axis=0),
+                 helper.make_node("Concat", [y for p in self._pending for y in (p[3], self._sep)], [dims],
+                                  name=name("graphmp_cal_cat"), axis=0)]
+        g.output.extend([helper.make_tensor_value_info(hi, FLOAT, [len(tensors)]),
+                         helper.make_tensor_value_info(lo, FLOAT, [len(tensors)]),
+                         helper.make_tensor_value_info(dims, onnx.TensorProto.INT64, [None])])
+        self.chunks.append((hi, lo, dims, tensors))
+        self.shape_of[dims] = tensors
+        self._pending = []
+        return nodes
+
     def _instrument(self, g, key) -> list:
-        """[(scalar name in g, (graph key, tensor))] for the float tensors of g and of
-        its control-flow bodies (nested), with the body scalars surfaced through their
-        nodes' outputs. Each tensor's reductions come right after its producer in the node
-        list, so ONNX Runtime can free the tensor early instead of keeping every
-        intermediate alive until reductions placed at the end have run."""
+        """[(scalar name in g, (graph key, tensor))] for the float tensors of g's bodies
+        (nested), surfaced through their nodes' outputs, and for g's own float tensors
+        unless g is the main graph (those go to the chunks). Each tensor's reductions come
+        right after its producer in the node list, so ONNX Runtime can free the tensor early
+        instead of keeping every intermediate alive until reductions placed at the end ran."""
         types = self.types.get(key, {})
         inits = {t.name for t in g.initializer}
         found, order = [], []
 
         def probe(x):
+            if key == "main":
+                order.extend(self._main_probe(x))
+                return
             nodes, m = self._max_abs(x)
             order.extend(nodes)
             found.append((m, (key, x)))
-            if key == "main":  # its dims too (a Shape: metadata, no copy)
-                s = self.names.fresh(f"{x}__shape")
-                order.append(helper.make_node("Shape", [x], [s], name=self.names.fresh("graphmp_cal_shape")))
-                self.shape_of[s] = x
         for v in g.input:
             if v.name not in inits and types.get(v.name) == FLOAT:
                 probe(v.name)
@@ -110,6 +159,8 @@ class _Probe:
                     probe(o)
             if n.op_type in _CONTROL_FLOW and n.domain in ("", "ai.onnx"):
                 surfaced.extend(self._surface(g, n, key))
+        if key == "main":
+            order.extend(self._flush())
         del g.node[:]  # the references in `order` stay valid (protobuf detaches removed messages)
         g.node.extend(order)
         return found + surfaced
@@ -150,8 +201,8 @@ class _Probe:
 class _Runner:
     """Runs the probe and folds each successful run into the ranges."""
 
-    def __init__(self, sess, probe: _Probe, cal: Calibration, model_outputs: list, keep_outputs: int):
-        self.sess, self.probe, self.cal = sess, probe, cal
+    def __init__(self, sess, probe: _Probe, cal: Calibration, model_outputs: list, keep_outputs: int, guard):
+        self.sess, self.probe, self.cal, self.guard = sess, probe, cal, guard
         self.model_outputs, self.keep_outputs = model_outputs, keep_outputs
         self.outputs = [o.name for o in sess.get_outputs()]
         self.inputs = [i.name for i in sess.get_inputs()]
@@ -159,14 +210,19 @@ class _Runner:
         self.on_batch = None  # called after each batch that ran (the progress line)
 
     def __call__(self, feeds):
-        outs = self.sess.run(self.outputs, {k: feeds[k] for k in self.inputs})
+        chosen = {k: feeds[k] for k in self.inputs}
+        outs = self.guard(lambda options: self.sess.run(self.outputs, chosen, options))  # graphmp.run_limits
+        got = dict(zip(self.outputs, outs))
         ranges = self.cal.ranges
-        for name, arr in zip(self.outputs, outs):
-            if name in self.probe.shape_of:
-                self._note_shape(self.probe.shape_of[name], arr)
-                continue
-            key = self.probe.scalars.get(name)
-            if key is None or not isinstance(arr, np.ndarray) or arr.size == 0:
+        for hi, lo, dims, tensors in self.probe.chunks:
+            self._note_shapes(tensors, got[dims])
+            m = np.maximum(np.asarray(got[hi], np.float64), -np.asarray(got[lo], np.float64))
+            for x, v in zip(tensors, m.tolist()):  # an empty tensor: -inf, nothing seen
+                if v == v and v > ranges.get(("main", x), -np.inf):  # v == v: not NaN
+                    ranges[("main", x)] = v
+        for name, key in self.probe.scalars.items():
+            arr = got.get(name)
+            if not isinstance(arr, np.ndarray) or arr.size == 0:
                 continue
             finite = arr[~np.isnan(arr)]
             m = float(finite.max()) if finite.size else -np.inf
@@ -174,18 +230,22 @@ class _Runner:
                 ranges[key] = m
         self.shapes.append(", ".join(f"{k}:{dims_text(np.shape(feeds[k]))}" for k in self.inputs))
         if len(self.cal.outputs) < self.keep_outputs:  # the search's FP32 references: no second run
-            got = dict(zip(self.outputs, outs))
             self.cal.outputs.append({k: got[k] for k in self.model_outputs})
         self.cal.batches.append({k: feeds[k] for k in self.inputs})
         if self.on_batch is not None:
             self.on_batch()
 
-
-    def _note_shape(self, x, arr):
-        dims = tuple(int(d) for d in np.asarray(arr).ravel())
-        old = self.cal.shapes.get(x)
-        if old is None or np.prod(dims, dtype=np.float64) > np.prod(old, dtype=np.float64):
-            self.cal.shapes[x] = dims
+    def _note_shapes(self, tensors, arr):
+        """The dims of `tensors`, concatenated in order, each followed by -1."""
+        flat = np.asarray(arr).ravel().tolist()
+        start = 0
+        for x in tensors:
+            end = flat.index(-1, start)
+            dims = tuple(int(d) for d in flat[start:end])
+            start = end + 1
+            old = self.cal.shapes.get(x)
+            if old is None or math.prod(dims) > math.prod(old):
+                self.cal.shapes[x] = dims
 
 
 _ORT_TYPES = {f"tensor({k})": v for k, v in (
@@ -247,7 +307,8 @@ def calibrate(model, types, *, data=None, shapes=None, base_dir=None, where="<mo
                       "warning": "no range check was done: nodes that overflow FP16 were not found"}
         return cal
     del probe.model
-    run = _Runner(sess, probe, cal, [o.name for o in model.graph.output], keep_outputs)
+    guard = guarded(f"{shown(where, 300)}: calibration", model_bytes(model))
+    run = _Runner(sess, probe, cal, [o.name for o in model.graph.output], keep_outputs, guard)
     run.on_batch = on_batch
     specs = input_specs(model)
     if generated:

@@ -11,6 +11,7 @@ build_step / train take one of them, or the same keywords (they build it with fr
 """
 from __future__ import annotations
 
+import math
 import numbers
 import re
 from dataclasses import dataclass, field, fields
@@ -180,8 +181,16 @@ def _check_step_values(v: dict, bad) -> None:
         bad(f"optimizer must be one of {OPTIMIZERS}, not '{v['optimizer']}'")
     if v["precision"] not in PRECISIONS:
         bad(f"precision must be one of {PRECISIONS}, not '{v['precision']}'")
+    for k in ("lr", "momentum", "eps", "weight_decay", "init_scale", "backoff", "growth", "min_scale", "max_scale",
+              "label_smoothing", "clip_norm"):  # inf passes every > test below (1e400 parses as inf)
+        if v[k] is not None and not math.isfinite(v[k]):
+            bad(f"{k} must be a finite number (got {v[k]})")
     if not v["lr"] > 0:
         bad(f"lr must be > 0 (got {v['lr']})")
+    if not all(0 <= b < 1 for b in v["betas"]):
+        bad(f"betas must each be in [0, 1), e.g. (0.9, 0.999) (got {v['betas']})")
+    if v["ignore_index"] is not None and not -2 ** 63 <= v["ignore_index"] < 2 ** 63:
+        bad(f"ignore_index must fit a 64-bit label (got {v['ignore_index']})")
     if v["lr_schedule"] not in SCHEDULES:
         bad(f"lr_schedule must be one of {SCHEDULES}, not '{v['lr_schedule']}'")
     if v["warmup_steps"] < 0:
@@ -277,6 +286,8 @@ def _is_bool(x) -> bool:
 def _check_train_values(v: dict) -> None:
     """The ranges and choices of TrainConfig's values (v: already of the right types)."""
     from .device import DEVICES
+    if not 0 <= v["seed"] < 2 ** 63:  # numpy's default_rng takes seeds >= 0
+        raise GraphmpError(f"seed must be >= 0 and below 2^63 (got {v['seed']})")
     if v["batch_size"] < 1 or v["epochs"] < 0:
         raise GraphmpError(f"batch_size must be >= 1 and epochs >= 0 (got {v['batch_size']}, {v['epochs']})")
     for k, what in (("checkpoint_every", "0: only at the end"), ("max_steps", "None: no limit"),

@@ -58,10 +58,26 @@ class DistOptions:
     eval_data: object = None
 
 
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise GraphmpError(f"{name}={text!r} in the environment is not an integer: start the ranks with "
+                           "`graphmp train --nproc N` or torchrun, which set it") from None
+
+
 def world() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) outside it."""
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-            int(os.environ.get("LOCAL_RANK", 0)))
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) outside it.
+    A value that is not an integer, a world size below 1, or a rank outside the world is a
+    GraphmpError naming the variable."""
+    rank, n, local = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
+    if n < 1 or not 0 <= rank < n or local < 0:
+        raise GraphmpError(f"RANK={rank}, WORLD_SIZE={n}, LOCAL_RANK={local} in the environment: need "
+                           "WORLD_SIZE >= 1, 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0 (torchrun sets them)")
+    return rank, n, local
 
 
 def under_torchrun() -> bool:
@@ -105,8 +121,16 @@ def _attempt_store(dist, rank: int, n: int, timeout):
     across --max-restarts; without a per-attempt prefix a restarted rank can read the
     address a dead rank of the previous attempt published (gloo: connection refused)."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)  # torchrun's agent hosts it
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n,
-                          is_master=not agent and rank == 0, timeout=timeout, multi_tenant=True)
+    addr, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT", -1)
+    if not addr or not 0 < port < 65536:
+        raise GraphmpError(f"rank {rank}: MASTER_ADDR={addr!r} / MASTER_PORT={os.environ.get('MASTER_PORT')!r} in "
+                           "the environment: need a host and a port (1-65535); torchrun sets them")
+    try:
+        store = dist.TCPStore(addr, port, n, is_master=not agent and rank == 0, timeout=timeout, multi_tenant=True)
+    except (RuntimeError, OSError, ValueError) as e:  # port in use, master unreachable, rendezvous timeout
+        raise GraphmpError(f"rank {rank}: cannot reach the rendezvous at {addr}:{port} ({first_line(e)}): the port "
+                           "may be in use or the master unreachable; pick another MASTER_PORT, or check that rank 0 "
+                           "runs") from None
     return dist.PrefixStore(f"graphmp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 

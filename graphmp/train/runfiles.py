@@ -350,12 +350,39 @@ def clear_run_dir(out_dir: str) -> None:
 
 
 def write_run(out_dir: str, step, infer, init: dict, meta: dict, full: bool) -> None:
-    """Replace the run folder's files with the new run's (train.json last); an OSError (a
-    read-only folder, a full disk) is one line naming the run folder or the file."""
-    with writing(out_dir, "the run folder", "the run folder may hold an incomplete run; fix that and run train-graph "
-                 "again (with --force if the folder is not empty)"):
-        clear_run_dir(out_dir)
-        save_checked(step, os.path.join(out_dir, "step.onnx"), full=full)
-        save_checked(infer, os.path.join(out_dir, "infer.onnx"), full=full)
-        save_npz(os.path.join(out_dir, "state.npz"), init)
-        write_json(os.path.join(out_dir, "train.json"), meta)
+    """Replace the run folder's files with the new run's (train.json last). An OSError (a
+    read-only folder, a full disk) is one line naming the file, and says one thing about
+    the folder: the new run's partial files are removed, and so is the folder when this
+    call created it (nothing was written); a folder that held an old run holds none now
+    (its files were replaced first), and the line says so."""
+    created = not os.path.isdir(out_dir)
+    try:
+        with writing(out_dir, "the run folder"):
+            clear_run_dir(out_dir)
+            save_checked(step, os.path.join(out_dir, "step.onnx"), full=full)
+            save_checked(infer, os.path.join(out_dir, "infer.onnx"), full=full)
+            save_npz(os.path.join(out_dir, "state.npz"), init)
+            write_json(os.path.join(out_dir, "train.json"), meta)
+    except GraphmpError as e:
+        _remove_partial_run(out_dir, created)
+        said = re.sub(r"[;.] *(Check free disk space and permissions; )?nothing was written\.?$", "", str(e))
+        if created:
+            raise GraphmpError(f"{said}; nothing was written (the run folder was not created). Free space or "
+                               "fix the permissions and run train-graph again") from None
+        raise GraphmpError(f"{said}; the run folder holds no run now (its old run files were removed before the "
+                           "new ones could be written). Free space or fix the permissions and run train-graph again "
+                           "(with --force if the folder is not empty)") from None
+
+
+def _remove_partial_run(out_dir: str, created: bool) -> None:
+    """Remove the run files a failed write_run left (only graphmp's names), and the folder
+    itself when write_run created it and nothing else is in it."""
+    try:
+        for n in os.listdir(out_dir):
+            p = os.path.join(out_dir, n)
+            if RUN_FILE.fullmatch(n) and (stat.S_ISREG(os.lstat(p).st_mode) or os.path.islink(p)):
+                os.unlink(p)
+        if created and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+    except OSError:
+        pass  # the line already says what failed; what could not be removed stays
