@@ -273,9 +273,9 @@ def _feeds(sess, spec: dict, path: str):
         model = onnx.load(path, load_external_data=False)
         try:
             plan = find_shapes(model, lambda f: sess.run(None, f), spec["shapes"], where=path)
+            given, how = plan.feeds(0), plan.describe()  # generate() refuses inputs over its size cap
         except GraphmpError as e:
             return None, f"not run: {e}"
-        given, how = plan.feeds(0), plan.describe()
     feeds = {}
     for i in sess.get_inputs():
         if i.name not in given:
