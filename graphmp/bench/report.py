@@ -211,7 +211,7 @@ class BenchResult:
                           f"{noisy}; timing {self.data['timing']}"], fig.get_figwidth(), TITLE_POINTS)
         fig.suptitle(title, fontsize=TITLE_POINTS)
         # room above the axes for every line of the title (tight_layout alone clips a long one)
-        fig.tight_layout(rect=(0, 0, 1, 1 - (title.count("\n") + 1) * TITLE_POINTS * 1.4 / 72 / fig.get_figheight()))
+        fig.tight_layout(rect=(0, 0, 1, 1 - (title.count("\n") + 1) * TITLE_POINTS * 1.1 / 72 / fig.get_figheight()))
         with atomic_write(path) as f:
             fig.savefig(f, format="png", dpi=100)
         return path
