@@ -404,6 +404,38 @@ def test_speedups_compare_the_same_variant_and_fastest_variant_is_named():
                                                                              ("fp16", "cuda-graph", 1.0)]
 
 
+def test_a_speedup_from_noisy_timings_is_marked_and_explained():
+    """A p99 1000x the median (a busy CPU) made 1.45x or 20x 'speedups' out of nothing: such
+    ratios are marked '?' in the table and the plot, flagged in the JSON and explained."""
+    from graphmp.bench import report as breport
+    from graphmp.bench import rows as brows
+
+    def row(p, median, p90, p99):
+        return {"backend": "ort-cpu", "batch": 1, "precision": p, "variant": "default", "status": "ok",
+                "latency_ms": {"median": median, "p90": p90, "p99": p99}, "speedup_vs_fp32": None,
+                "speedup_vs_tf32": None}
+    steady = [row("fp32", 2.0, 2.1, 2.2), row("fp16", 1.0, 1.05, 1.1)]
+    brun.add_speedups(steady)
+    assert steady[1]["speedup_vs_fp32"] == pytest.approx(2.0) and not steady[1]["speedup_noisy"]
+    assert not steady[0]["speedup_noisy"]  # the fp32 row against itself: no comparison to doubt
+    assert brows.noise_note(steady) is None and breport._speedup(steady[1], "speedup_vs_fp32") == "2.00"
+    busy = [row("fp32", 2.0, 2.1, 2000.0), row("fp16", 1.38, 1.4, 1.5)]
+    brun.add_speedups(busy)
+    assert busy[1]["speedup_noisy"] and breport._speedup(busy[1], "speedup_vs_fp32") == "1.45?"
+    note = brows.noise_note(busy)
+    assert "1 row(s)" in note and "worst: ort-cpu fp32 batch 1, p99 1000.0x its median" in note and "--runs" in note
+    assert brows.noisy(row("fp16", 1.0, 1.3, 1.4)) and not brows.noisy(row("fp16", 1.0, 1.2, 1.9))
+
+
+def test_the_plot_title_is_wrapped_to_the_figure():
+    from graphmp.bench import report as breport
+    line = "bar labels: speedup vs FP32 strict (latency where there is no FP32 row); timing " + "x" * 150
+    wrapped = breport._wrapped(["model.onnx on a CPU", line], 5.5, 9)
+    chars = int(5.5 * 72 / (9 * 0.55))
+    assert all(len(x) <= chars for x in wrapped.splitlines()) and len(wrapped.splitlines()) >= 3
+    assert "".join(wrapped.split()) == "".join(("model.onnx on a CPU " + line).split())  # nothing lost
+
+
 # --- the accuracy judge ---------------------------------------------------------------------------
 
 def test_normalised_error_is_not_dominated_by_near_zero_references():

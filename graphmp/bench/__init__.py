@@ -61,7 +61,8 @@ JSON schema (schema_version 2; `BenchResult.to_dict()`, `graphmp bench --json`):
     backends: {name: {status: "ok"|"skipped"|"fell-back", reason}}
     rows: [{backend, precision, variant, label, model, batch, provider, tf32, status: "ok"|"failed",
             error, settings: {provider, ..., timing, model_file}, latency_ms: {median, p90, p99, mean, min, max}|null,
-            iterations, throughput_per_s, speedup_vs_fp32, speedup_vs_tf32, peak_device_memory_bytes,
+            iterations, throughput_per_s, speedup_vs_fp32, speedup_vs_tf32, speedup_noisy (the ratio compares a
+            median whose p90/p99 spread is too wide: bench.rows.noisy), peak_device_memory_bytes,
             memory_note, engine_bytes, build_s, output_shapes, accuracy_note (only where not judged),
             accuracy: {reference, passed, error, max_abs, cosine, snr_db, argmax_agree, nonfinite,
                        tf32_error, vs_tf32, yardstick, outputs: {name: {error, max_abs, cosine, snr_db,

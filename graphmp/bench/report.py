@@ -45,6 +45,16 @@ def _md(headers, rows) -> str:
                      + [line(r) for r in rows])
 
 
+TITLE_POINTS = 9
+
+
+def _wrapped(lines: list, width_inches: float, points: float) -> str:
+    """The plot's title lines wrapped to the figure's width (an average glyph is about 0.55 em)."""
+    import textwrap
+    chars = max(20, int(width_inches * 72 / (points * 0.55)))
+    return "\n".join(w for line in lines for w in textwrap.wrap(line, chars))
+
+
 RAN_ON = {"CUDAExecutionProvider": "CUDA", "CPUExecutionProvider": "CPU", "TensorRT": "TensorRT"}
 HEAD = ["backend", "precision", "variant", "ran on", "batch", "median ms", "p90 ms", "p99 ms", "items/s",
         "vs FP32", "vs TF32", "mem MB", "engine MB", "build s", "err", "x TF32", "cosine", "argmax", "in tol"]
@@ -60,11 +70,17 @@ def _row_cells(r) -> list:
     tol = "-" if not acc else ("yes" if acc["passed"] else "NO") + (
         f" ({acc['nonfinite']} inf/nan)" if acc.get("nonfinite") else "")
     return first + [_fmt(lat["median"], ".3f"), _fmt(lat["p90"], ".3f"), _fmt(lat["p99"], ".3f"),
-                    _fmt(r["throughput_per_s"], ".1f"), _fmt(r["speedup_vs_fp32"], ".2f"),
-                    _fmt(r["speedup_vs_tf32"], ".2f"), _fmt(mb(r["peak_device_memory_bytes"]), ".0f"),
+                    _fmt(r["throughput_per_s"], ".1f"), _speedup(r, "speedup_vs_fp32"),
+                    _speedup(r, "speedup_vs_tf32"), _fmt(mb(r["peak_device_memory_bytes"]), ".0f"),
                     _fmt(mb(r["engine_bytes"]), ".1f"), _fmt(r["build_s"], ".2f"), _fmt(acc.get("error"), ".2e"),
                     _fmt(acc.get("vs_tf32"), ".2f"), _fmt(acc.get("cosine"), ".6f"),
                     _fmt(acc.get("argmax_agree"), ".4f"), tol]
+
+
+def _speedup(r, key) -> str:
+    """A speedup cell: '?' after it where the rows' timing spread makes the ratio unreliable."""
+    text = _fmt(r[key], ".2f")
+    return text + "?" if r.get(key) is not None and r.get("speedup_noisy") else text
 
 
 class BenchResult:
@@ -179,7 +195,8 @@ class BenchResult:
                         xs.append(i + (j - (len(precs) - 1) / 2) * width)
                         ys.append(r["throughput_per_s"])
                         s = r["speedup_vs_fp32"]
-                        labels.append(f"{s:.2f}x" if s else f"{r['latency_ms']['median']:.2f}ms")
+                        labels.append(f"{s:.2f}x{'?' if r.get('speedup_noisy') else ''}" if s
+                                      else f"{r['latency_ms']['median']:.2f}ms")
                 label = next((r["label"] for r in rows if r["precision"] == p), LABELS[p])
                 bars = ax.bar(xs, ys, width, label=label)
                 ax.bar_label(bars, labels, fontsize=7)
@@ -188,11 +205,13 @@ class BenchResult:
             ax.set_title(f"{b} (default session options)")
             ax.legend(fontsize=7)
         partial = " (interrupted: finished rows only)" if self.data.get("partial") else ""
-        fig.suptitle(f"{os.path.basename(self.data['model']['path'])} on {self.data['environment']['device']}"
-                     f"{partial}\n"
-                     f"bar labels: speedup vs FP32 strict (latency where there is no FP32 row); timing "
-                     f"{self.data['timing']}", fontsize=9)
-        fig.tight_layout()
+        noisy = "; '?': timing too noisy to trust the ratio" if any(r.get("speedup_noisy") for r in ok) else ""
+        title = _wrapped([f"{os.path.basename(self.data['model']['path'])} on {self.data['environment']['device']}"
+                          f"{partial}", f"bar labels: speedup vs FP32 strict (latency where there is no FP32 row)"
+                          f"{noisy}; timing {self.data['timing']}"], fig.get_figwidth(), TITLE_POINTS)
+        fig.suptitle(title, fontsize=TITLE_POINTS)
+        # room above the axes for every line of the title (tight_layout alone clips a long one)
+        fig.tight_layout(rect=(0, 0, 1, 1 - (title.count("\n") + 1) * TITLE_POINTS * 1.1 / 72 / fig.get_figheight()))
         with atomic_write(path) as f:
             fig.savefig(f, format="png", dpi=100)
         return path

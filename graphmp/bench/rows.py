@@ -4,16 +4,36 @@ from __future__ import annotations
 from .plan import LABELS, PRECISIONS, SOURCES
 
 
+# A row's timing is too noisy to compare by its median when its p90 is this far above it, or
+# its p99 this far (a busy machine, a cold cache, too few runs): a ratio of two such medians
+# can read 1.45x or 20x where nothing changed.
+NOISY_P90 = 1.25
+NOISY_P99 = 2.0
+
+
+def noisy(row) -> bool:
+    """The row's latency spread makes its median an unreliable basis for a ratio."""
+    lat = row.get("latency_ms") or {}
+    med = lat.get("median")
+    if not med:
+        return False
+    return lat.get("p90", med) > NOISY_P90 * med or lat.get("p99", med) > NOISY_P99 * med
+
+
 def add_speedups(rows: list) -> None:
     """speedup_vs_fp32 / speedup_vs_tf32 of every finished row: the fp32 / tf32 row of the same
-    backend, batch and variant (same session options) over this row, by median latency."""
+    backend, batch and variant (same session options) over this row, by median latency;
+    speedup_noisy: this row or a row it is compared with is noisy() (the table marks its
+    ratios with '?', and says why under it)."""
     ok = [r for r in rows if r["status"] == "ok"]
     for r in ok:
+        r["speedup_noisy"] = False
         for base, key in (("fp32", "speedup_vs_fp32"), ("tf32", "speedup_vs_tf32")):
             ref = next((x for x in ok if (x["backend"], x["batch"], x["variant"], x["precision"])
                         == (r["backend"], r["batch"], r["variant"], base)), None)
             if ref:
                 r[key] = ref["latency_ms"]["median"] / r["latency_ms"]["median"]
+                r["speedup_noisy"] |= ref is not r and (noisy(r) or noisy(ref))
 
 
 def fastest_variants(rows: list) -> list:
@@ -55,6 +75,20 @@ def new_row(spec, labels=None) -> dict:
             "peak_device_memory_bytes": None,
             "memory_note": "host memory: not measured per row" if b == "ort-cpu" else "",
             "engine_bytes": None, "build_s": None, "output_shapes": None, "accuracy": None}
+
+
+def noise_note(rows: list) -> str | None:
+    """The line under the table when some speedups are marked noisy."""
+    marked = [r for r in rows if r.get("speedup_noisy")]
+    if not marked:
+        return None
+    culprits = [r for r in rows if r["status"] == "ok" and noisy(r)]  # the marked rows or what they compare with
+    worst = max(culprits, key=lambda r: max(r["latency_ms"]["p90"], r["latency_ms"]["p99"] / NOISY_P99 * NOISY_P90)
+                / r["latency_ms"]["median"])
+    return (f"'?': {len(marked)} row(s) compare medians whose spread is too wide to trust the ratio (p90 > "
+            f"{NOISY_P90:g}x or p99 > {NOISY_P99:g}x the median; worst: {row_name(worst)}, p99 "
+            f"{worst['latency_ms']['p99'] / worst['latency_ms']['median']:.1f}x its median): rerun on a quiet "
+            "machine, with more --runs or a longer --min-time")
 
 
 def table_notes(s, status: dict) -> list:

@@ -38,7 +38,7 @@ from .plan import COMPARE, SOURCES, groups, plan_rows, static_shapes
 from .source import is_fp32, source_precision
 from .report import BenchResult, clean
 from .oracle import fp16_oracle
-from .rows import add_speedups, fastest_variants
+from .rows import add_speedups, fastest_variants, noise_note
 from .rows import kept as _kept, new_row as _new_row, row_name as _row_name, table_notes as _notes
 from .runners import (TIMING, FellBack, OrtRunner, TrtRunner, device_memory_used, latency_stats, ort_cuda_options,
                       ort_cuda_status, time_interleaved, trt_status)
@@ -551,7 +551,7 @@ class _Run:
     # --- oracle, notes, result
     def result(self, command) -> dict:
         s = self.s
-        notes = self.notes + _notes(s, self.status)
+        notes = self.notes + _notes(s, self.status) + [n for n in [noise_note(self.rows)] if n]
         if "ort-opt" in self.model_info:
             i = self.model_info["ort-opt"]
             notes.append(f"ort-opt: model_type {i['model_type']} ({'guessed from the graph' if i['guessed'] else 'given'}"
