@@ -1,6 +1,9 @@
 """What the graph's structure says about an input's values, for generated inputs
-(graphmp.inputs.generate; value_hints there merges these hints with its own).
+(graphmp.inputs.generate, with structural_hints: graphmp.inputs.value_hints).
 
+  * An integer input compared (Equal) with a one-element constant is a mode selector (a
+    sample rate choosing an If branch): it gets that constant. An integer input that
+    indexes a constant table (Gather) is drawn uniformly over the table's rows.
   * An attention mask (an input named like 'mask') gets padding: its last row's last
     quarter is 0 (padded_mask), so calibration and check see masked positions, where a
     mask built with a sentinel (finfo.min) and its Softmax meet; N(0,1) or all-ones masks
@@ -21,6 +24,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+INT_ELEMS = (TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8,
+             TensorProto.UINT64, TensorProto.UINT32, TensorProto.UINT16, TensorProto.UINT8)
+# an integer input named like this holds lengths (generated as the full length), not indices
+LENGTHS = re.compile(r"(^|_)(lens?|lengths?|seq_?lens?|num_frames)$", re.I)
 PERIODIC = frozenset({"Sin", "Cos"})
 # ops a value passes on its way to a Sin/Cos argument (elementwise, data movement, Tensor Core work, Casts)
 _FORWARD = frozenset({
@@ -104,3 +111,78 @@ def positions(shape: tuple, dtype) -> np.ndarray:
     if not shape:
         return np.zeros(shape, dtype=dtype)
     return np.broadcast_to(np.arange(shape[-1]), shape).astype(dtype)
+
+
+_PASS_THROUGH = {"Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape", "Flatten"}
+_COMPARE = {"Equal"}
+
+
+def structural_hints(model: onnx.ModelProto, specs: list) -> dict:
+    """specs: the model's graph inputs (graphmp.inputs.input_specs). {input: value} for integer inputs of at most one element that the main graph
+    compares (Equal, through Cast/Reshape-like nodes) with a one-element constant:
+    mode selectors such as a sample rate that chooses an If branch; and {input: {"below":
+    rows}} for integer inputs that index a constant table (Gather's indices, through the same
+    nodes): token ids into an embedding, drawn uniformly over its rows, so calibration sees
+    many different rows, not only rows 0 and 1 (a vocabulary larger than the tokens
+    generated is still only sampled: real data, --calibration, covers the real tokens)."""
+    hints = periodic_hints(model)  # coordinates/timesteps that reach a Sin/Cos
+    hints.update(_index_ranges(model, specs))
+    hints.update(_selector_values(model, specs))
+    return hints
+
+
+def _consts_and_users(g):
+    consts = {t.name: t for t in g.initializer}
+    for n in g.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            consts[n.output[0]] = n.attribute[0].t
+    users: dict = {}
+    for n in g.node:
+        for x in n.input:
+            users.setdefault(x, []).append(n)
+    return consts, users
+
+
+def _index_ranges(model: onnx.ModelProto, specs: list) -> dict:
+    consts, users = _consts_and_users(model.graph)
+    out = {}
+    for s in specs:
+        if s.elem not in INT_ELEMS or "mask" in s.name.lower() or LENGTHS.search(s.name):
+            continue
+        frontier, seen, rows = [s.name], set(), []
+        while frontier:
+            x = frontier.pop()
+            seen.add(x)
+            for n in users.get(x, []):
+                if n.op_type in _PASS_THROUGH:
+                    frontier.extend(o for o in n.output[:1] if o not in seen)
+                elif n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == x and n.input[0] in consts:
+                    axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+                    dims = list(consts[n.input[0]].dims)
+                    if -len(dims) <= axis < len(dims) and dims[axis] > 0:
+                        rows.append(int(dims[axis]))
+        if rows:
+            out[s.name] = {"below": min(rows)}  # valid for every table it indexes
+    return out
+
+
+def _selector_values(model: onnx.ModelProto, specs: list) -> dict:
+    consts, users = _consts_and_users(model.graph)
+    hints = {}
+    for s in specs:
+        if s.elem not in INT_ELEMS or any(isinstance(d, int) and d > 1 for d in s.dims) or len(s.dims) > 1:
+            continue
+        frontier, seen = [s.name], set()
+        while frontier and s.name not in hints:
+            x = frontier.pop()
+            seen.add(x)
+            for n in users.get(x, []):
+                if n.op_type in _PASS_THROUGH:
+                    frontier.extend(o for o in n.output[:1] if o not in seen)
+                elif n.op_type in _COMPARE:
+                    other = next((i for i in n.input if i != x), None)
+                    t = consts.get(other)
+                    if t is not None and int(np.prod(t.dims)) == 1:
+                        hints[s.name] = onnx.numpy_helper.to_array(t).reshape(()).item()
+                        break
+    return hints

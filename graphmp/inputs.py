@@ -42,13 +42,11 @@ import onnx
 from onnx import TensorProto
 
 from .errors import GraphmpError, first_line
-from .input_roles import padded_mask, periodic_hints, positions
+from .input_roles import INT_ELEMS, LENGTHS, padded_mask, positions, structural_hints
 from .names import shown
 from .model_io import load_npz
 from .policy import FLOAT_TYPES
 
-INT_ELEMS = (TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8,
-             TensorProto.UINT64, TensorProto.UINT32, TensorProto.UINT16, TensorProto.UINT8)
 
 # Sizes tried per role, most plausible first (the first one is used when it runs).
 CANDIDATES = {
@@ -210,82 +208,13 @@ def user_batches(data, specs: list[Spec], what: str = "data") -> list[tuple[str,
 
 
 # --------------------------------------------------------------------------- values
-_PASS_THROUGH = {"Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape", "Flatten"}
-_COMPARE = {"Equal"}
-
-
 def value_hints(model: onnx.ModelProto) -> dict:
-    """{input: value} for integer inputs of at most one element that the main graph
-    compares (Equal, through Cast/Reshape-like nodes) with a one-element constant:
-    mode selectors such as a sample rate that chooses an If branch; and {input: {"below":
-    rows}} for integer inputs that index a constant table (Gather's indices, through the same
-    nodes): token ids into an embedding, drawn uniformly over its rows, so calibration sees
-    many different rows, not only rows 0 and 1 (a vocabulary larger than the tokens
-    generated is still only sampled: real data, --calibration, covers the real tokens)."""
-    hints = periodic_hints(model)  # coordinates/timesteps that reach a Sin/Cos (graphmp.input_roles)
-    hints.update(_index_ranges(model))
-    hints.update(_selector_values(model))
-    return hints
+    """What the graph says about the values of its inputs (graphmp.input_roles.value_hints):
+    {input: value} for mode selectors compared with a constant, {input: {"below": rows}} for
+    indices into a table, and the coordinates/timesteps/positions that reach a Sin/Cos."""
+    return structural_hints(model, input_specs(model))
 
 
-def _consts_and_users(g):
-    consts = {t.name: t for t in g.initializer}
-    for n in g.node:
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
-            consts[n.output[0]] = n.attribute[0].t
-    users: dict = {}
-    for n in g.node:
-        for x in n.input:
-            users.setdefault(x, []).append(n)
-    return consts, users
-
-
-def _index_ranges(model: onnx.ModelProto) -> dict:
-    consts, users = _consts_and_users(model.graph)
-    out = {}
-    for s in input_specs(model):
-        if s.elem not in INT_ELEMS or "mask" in s.name.lower() or _LENGTHS.search(s.name):
-            continue
-        frontier, seen, rows = [s.name], set(), []
-        while frontier:
-            x = frontier.pop()
-            seen.add(x)
-            for n in users.get(x, []):
-                if n.op_type in _PASS_THROUGH:
-                    frontier.extend(o for o in n.output[:1] if o not in seen)
-                elif n.op_type == "Gather" and len(n.input) > 1 and n.input[1] == x and n.input[0] in consts:
-                    axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
-                    dims = list(consts[n.input[0]].dims)
-                    if -len(dims) <= axis < len(dims) and dims[axis] > 0:
-                        rows.append(int(dims[axis]))
-        if rows:
-            out[s.name] = {"below": min(rows)}  # valid for every table it indexes
-    return out
-
-
-def _selector_values(model: onnx.ModelProto) -> dict:
-    consts, users = _consts_and_users(model.graph)
-    hints = {}
-    for s in input_specs(model):
-        if s.elem not in INT_ELEMS or any(isinstance(d, int) and d > 1 for d in s.dims) or len(s.dims) > 1:
-            continue
-        frontier, seen = [s.name], set()
-        while frontier and s.name not in hints:
-            x = frontier.pop()
-            seen.add(x)
-            for n in users.get(x, []):
-                if n.op_type in _PASS_THROUGH:
-                    frontier.extend(o for o in n.output[:1] if o not in seen)
-                elif n.op_type in _COMPARE:
-                    other = next((i for i in n.input if i != x), None)
-                    t = consts.get(other)
-                    if t is not None and int(np.prod(t.dims)) == 1:
-                        hints[s.name] = onnx.numpy_helper.to_array(t).reshape(()).item()
-                        break
-    return hints
-
-
-_LENGTHS = re.compile(r"(^|_)(lens?|lengths?|seq_?lens?|num_frames)$", re.I)
 
 
 MAX_GENERATED_ELEMENTS = 1 << 28  # 1 GiB of float32 per input: a declared 10^12-element input is refused
@@ -320,7 +249,7 @@ def generate(specs: list[Spec], shapes: dict, seed: int = 0, hints: dict | None 
             feeds[s.name] = padded_mask(shape, s.dtype)
         elif hint is not None:
             feeds[s.name] = np.full(shape, hints[s.name], dtype=s.dtype)
-        elif s.elem in INT_ELEMS and _LENGTHS.search(s.name):
+        elif s.elem in INT_ELEMS and LENGTHS.search(s.name):
             feeds[s.name] = np.full(shape, full, dtype=s.dtype)
         elif s.elem in FLOAT_TYPES and s.elem != TensorProto.BFLOAT16:
             feeds[s.name] = rng.standard_normal(shape).astype(s.dtype)

@@ -237,15 +237,21 @@ def _remove_orphans(out_path: str, keep) -> None:
         _unlink_quietly(path)
 
 
+def _model_at(out_path: str):
+    """The model now at `out_path` (its graph and metadata, no weights read), or None where
+    there is none or it cannot be read: an unreadable old output references nothing we own."""
+    if not os.path.isfile(out_path):
+        return None
+    try:
+        return read_by_reference(out_path)
+    except Exception:  # noqa: BLE001 - any parse failure: not a model graphmp can vouch for
+        return None
+
+
 def _referenced_data(out_path: str) -> list[str]:
     """The real paths of the data files the model now at `out_path` references."""
-    if not os.path.isfile(out_path):
-        return []
-    try:
-        old = read_by_reference(out_path)
-    except Exception:  # noqa: BLE001 - an unreadable old output references nothing we own
-        return []
-    return data_files(old, os.path.dirname(os.path.abspath(out_path)), inputs=False)
+    old = _model_at(out_path)
+    return [] if old is None else data_files(old, os.path.dirname(os.path.abspath(out_path)), inputs=False)
 
 
 def _old_data(out_path: str, keep) -> list[str]:
@@ -253,11 +259,8 @@ def _old_data(out_path: str, keep) -> list[str]:
     once the new pair has replaced it: the one its graphmp metadata records
     (DATA_FILE_KEY), named after OUT (OUT.data, OUT.N.data), a regular file, not in `keep`
     and no input. A model graphmp did not write keeps its data files."""
-    if not os.path.isfile(out_path):
-        return []
-    try:
-        old = read_by_reference(out_path)
-    except Exception:  # noqa: BLE001 - an unreadable old output references nothing we own
+    old = _model_at(out_path)
+    if old is None:
         return []
     recorded = {p.key: p.value for p in old.metadata_props}.get(DATA_FILE_KEY, "")
     _, owned = _owned_data_names(out_path)
