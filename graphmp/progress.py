@@ -99,7 +99,10 @@ def native_stdout_to_stderr(shown: bool = True):
         yield
     finally:
         try:
-            sys.stdout.flush()  # a closed pipe raises here: the caller ends quietly, stdout restored first
+            sys.stdout.flush()  # a closed pipe or full device raises here: the caller says so, stdout restored first
+        except OSError:
+            if sys.exc_info()[1] is None or sys.exc_info()[1].__context__ is None:
+                raise  # the block itself ended normally: this is the error to report
         finally:
             sys.stdout = python_stdout
             os.dup2(real, 1)

@@ -160,6 +160,21 @@ def test_a_closed_stdout_pipe_ends_quietly(tmp_path):
     assert p.returncode == 141 and p.stderr == "", p.stderr
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("cmd", ["check", "inspect"])
+def test_stdout_on_a_full_device_is_one_line(tmp_path, cmd):
+    """`graphmp check A B > /dev/full`: every write fails with ENOSPC; one line on stderr, exit 2."""
+    m = _relu(tmp_path / "m.onnx", [2, 16])
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = [m, m] if cmd == "check" else [m]
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "graphmp.cli", cmd, *args], stdout=full, stderr=subprocess.PIPE,
+                           text=True, env=env, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "could not be written to stdout (No space left on device)" in lines[0]
+
+
 def _enospc(*a, **kw):
     import errno
     raise OSError(errno.ENOSPC, "No space left on device")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import shlex
 import signal
 import sys
@@ -112,21 +113,36 @@ def main(argv=None) -> int:
         return 143      # has already said its error): the exit code says so, no traceback
     except BrokenPipeError:
         return _pipe_closed()
+    except OSError as e:
+        if e.errno not in STDOUT_FULL:
+            raise
+        _stdout_to_devnull()  # so that the flush at exit fails no more
+        print(f"graphmp: error: the result could not be written to stdout ({e.strerror}); free space on "
+              "the device it goes to, or send it elsewhere", file=sys.stderr)
+        return 2
     finally:
         set_verbosity(None)  # a library call after main() (in the same process) is not a command
 
 
+# errors writing the result to stdout that are the device's, not graphmp's (`> /dev/full`, a full disk or quota)
+STDOUT_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
 def _pipe_closed() -> int:
     """stdout's reader went away (`graphmp check A B | head -c 10`): end quietly, with the
-    exit code of a SIGPIPE (128 + 13). stdout now points to /dev/null, so the flush at exit
-    says nothing either."""
+    exit code of a SIGPIPE (128 + 13)."""
+    _stdout_to_devnull()
+    return 141
+
+
+def _stdout_to_devnull() -> None:
+    """stdout now points to /dev/null, so the interpreter's flush at exit says nothing."""
     import os
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):
         pass
-    return 141
 
 
 def _run(args) -> int:
