@@ -423,7 +423,7 @@ def test_a_speedup_from_noisy_timings_is_marked_and_explained():
     brun.add_speedups(busy)
     assert busy[1]["speedup_noisy"] and breport._speedup(busy[1], "speedup_vs_fp32") == "1.45?"
     note = brows.noise_note(busy)
-    assert "1 row(s)" in note and "worst: ort-cpu fp32 batch 1, p99 1000.0x its median" in note and "--runs" in note
+    assert "1 row(s)" in note and "worst: ort-cpu fp32 batch 1, p99 1000.0x its median" in note and "--iterations" in note
     assert brows.noisy(row("fp16", 1.0, 1.3, 1.4)) and not brows.noisy(row("fp16", 1.0, 1.2, 1.9))
 
 
@@ -712,6 +712,25 @@ def test_import_graphmp_does_not_import_tensorrt_or_torch():
 
 
 # --- the command line ---------------------------------------------------------------------------
+
+def test_bench_shapes_reach_the_conversion(tmp_path, capsys):
+    """A model that runs only at a sequence length graphmp's shape search does not try (12):
+    bench --shapes converts it with those shapes (before, the fp16 rows failed to find any)."""
+    from onnx import TensorProto as T, helper
+    pos = numpy_helper.from_array(np.random.default_rng(0).standard_normal((1, 12, 16)).astype(np.float32), "pos")
+    w = numpy_helper.from_array(np.random.default_rng(1).standard_normal((16, 16)).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("Add", ["x", "pos"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["y"])],
+                          "seq12", [helper.make_tensor_value_info("x", T.FLOAT, ["b", "s", 16])],
+                          [helper.make_tensor_value_info("y", T.FLOAT, ["b", "s", 16])], [pos, w])
+    src = str(tmp_path / "seq12.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), src)
+    js = tmp_path / "b.json"
+    rc = main(["bench", src, "--backends", "ort-cpu", "--precisions", "fp32,fp16", "--shapes", "x:1x12x16",
+               "--warmup", "1", "--iterations", "2", "--min-time", "0", "--json", str(js), "-q"])
+    assert rc == 0, capsys.readouterr().err
+    rows = {r["precision"]: r for r in json.load(open(js))["rows"]}
+    assert rows["fp16"]["status"] == "ok" and rows["fp16"]["output_shapes"], rows["fp16"].get("error")
+
 
 def test_cli_bench_writes_json_and_plot(tmp_path, capsys):
     js, png = tmp_path / "b.json", tmp_path / "b.png"

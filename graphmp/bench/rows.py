@@ -88,7 +88,7 @@ def noise_note(rows: list) -> str | None:
     return (f"'?': {len(marked)} row(s) compare medians whose spread is too wide to trust the ratio (p90 > "
             f"{NOISY_P90:g}x or p99 > {NOISY_P99:g}x the median; worst: {row_name(worst)}, p99 "
             f"{worst['latency_ms']['p99'] / worst['latency_ms']['median']:.1f}x its median): rerun on a quiet "
-            "machine, with more --runs or a longer --min-time")
+            "machine, with more --iterations or a longer --min-time")
 
 
 def table_notes(s, status: dict) -> list:

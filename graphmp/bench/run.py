@@ -213,7 +213,8 @@ class _Run:
         path, s, prec = self.path, self.s, self.src_info["precision"]
         self.log(f"converting {path} with graphmp.convert")
         try:
-            d = convert(path, dst, calibration=[s.data] if s.data is not None else None).to_dict()
+            # --shapes reach the conversion too: its calibration runs where graphmp's own shape search may not
+            d = convert(path, dst, calibration=[s.data] if s.data is not None else None, shapes=s.shapes).to_dict()
         except LoadCheckFailed as e:  # ONNX Runtime cannot open the conversion: its rows say why, the others run
             self.model_errors["fp16"] = f"graphmp.convert: load check failed: {first_line(e, 400)}"
             return
