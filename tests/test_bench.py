@@ -717,11 +717,12 @@ def test_bench_shapes_reach_the_conversion(tmp_path, capsys):
     """A model that runs only at a sequence length graphmp's shape search does not try (12):
     bench --shapes converts it with those shapes (before, the fp16 rows failed to find any)."""
     from onnx import TensorProto as T, helper
-    pos = numpy_helper.from_array(np.random.default_rng(0).standard_normal((1, 12, 16)).astype(np.float32), "pos")
+    shape = numpy_helper.from_array(np.array([0, 12, 16], np.int64), "shape")  # as an export that fixed the length
     w = numpy_helper.from_array(np.random.default_rng(1).standard_normal((16, 16)).astype(np.float32), "w")
-    g = helper.make_graph([helper.make_node("Add", ["x", "pos"], ["h"]), helper.make_node("MatMul", ["h", "w"], ["y"])],
+    g = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["h"]),
+                           helper.make_node("MatMul", ["h", "w"], ["y"])],
                           "seq12", [helper.make_tensor_value_info("x", T.FLOAT, ["b", "s", 16])],
-                          [helper.make_tensor_value_info("y", T.FLOAT, ["b", "s", 16])], [pos, w])
+                          [helper.make_tensor_value_info("y", T.FLOAT, ["b", 12, 16])], [shape, w])
     src = str(tmp_path / "seq12.onnx")
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), src)
     js = tmp_path / "b.json"
