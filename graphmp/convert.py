@@ -207,7 +207,8 @@ class ConvertReport:
             lines.append(load_check_line(d.get("load_check")))
         if "validation" in d:  # the check report, as `graphmp check` prints it
             from .check import CheckReport
-            lines.append("  validation: " + CheckReport(d["validation"]).summary().replace("\n", "\n  "))
+            first, *rest = CheckReport(d["validation"]).summary().splitlines()  # lines of their own, each printable
+            lines += ["  validation: " + first] + ["  " + x for x in rest]
         lines.append(f"  time: {d['seconds']:.2f} s")
         return printable_lines(lines)
 

@@ -39,6 +39,15 @@ def test_default_convert_prints_the_summary_and_each_warning_once(tmp_path):
     assert sum("warning: calibration ran on generated inputs" in x for x in lines) == 1
 
 
+def test_the_validation_in_a_convert_summary_is_lines_of_its_own(tmp_path, capsys):
+    assert main(["convert", RESNET, "-o", str(tmp_path / "r.onnx"), "--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "\\n" not in out  # not one line with escaped newlines in it
+    lines = out.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("  validation: ") and ": PASS (" in x)
+    assert lines[at + 1].startswith("    inputs: ") and any(x.startswith("    logits: ok") for x in lines[at:])
+
+
 def test_quiet_prints_nothing_on_success_and_still_the_error(tmp_path, capsys):
     out = str(tmp_path / "r.onnx")
     for argv in (["convert", RESNET, "-o", out, "-q"], ["check", RESNET, out, "-q"],
