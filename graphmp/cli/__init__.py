@@ -60,16 +60,50 @@ def _parser():
     return p
 
 
-def _set_verbosity(args) -> None:
-    """The level of -q / -v / -vv for graphmp.progress, and ONNX Runtime's own log to match:
-    its warnings (initializers it removes, nodes it places) only with -vv."""
+def _set_verbosity(args) -> int:
+    """The level of -q / -v / -vv for graphmp.progress (returned)."""
     level = QUIET if getattr(args, "quiet", False) else NORMAL + getattr(args, "verbose", 0)
     set_verbosity(level)
+    return level
+
+
+def _runtime_log(level: int) -> None:
+    """ONNX Runtime's own log to match the level: its warnings (initializers it removes, nodes
+    it places) only with -vv. A Ctrl-C while onnxruntime imports surfaces as an ImportError
+    ('import numpy failed'): that is the interrupt, not a missing package."""
     try:
-        import onnxruntime
+        with _signals_held():
+            import onnxruntime
         onnxruntime.set_default_logger_severity(2 if level >= DEBUG else 3)
     except ImportError:  # graphmp's own check says so where a command needs it
-        pass
+        if _INTERRUPTED["sigint"]:
+            raise KeyboardInterrupt from None
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT/SIGTERM held back while the block runs (delivered when it ends): a Ctrl-C inside
+    onnxruntime's import of numpy is printed by its C code as a traceback and turned into an
+    ImportError; held, it arrives after the import as an ordinary KeyboardInterrupt."""
+    mask = getattr(signal, "pthread_sigmask", None)
+    if mask is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = mask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        mask(signal.SIG_SETMASK, old)
+
+
+_INTERRUPTED = {"sigint": False}
+
+
+def _on_sigint(signum, frame):
+    """Python's own behaviour (KeyboardInterrupt), and a note that it happened: an import that
+    a Ctrl-C breaks reports an ImportError, which must still end the command."""
+    _INTERRUPTED["sigint"] = True
+    raise KeyboardInterrupt
 
 
 def _native_output(args):
@@ -103,7 +137,7 @@ def main(argv=None) -> int:
     if args.cmd is None:
         _parser().print_help()
         return 2
-    _set_verbosity(args)
+    args.level = _set_verbosity(args)
     try:
         with _native_output(args):
             rc = _run(args)
@@ -150,11 +184,14 @@ def _run(args) -> int:
     SIGINT and SIGTERM also stop a run inside ONNX Runtime (graphmp.run_limits reads them
     from the signal wakeup fd, since the Python handler waits for ONNX Runtime to return)."""
     from ..run_limits import RunLimitExceeded, listen_for_signals
-    previous = None
+    previous = previous_int = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where a caller set its own
+            previous_int = signal.signal(signal.SIGINT, _on_sigint)
         listen_for_signals()
     try:
+        _runtime_log(getattr(args, "level", NORMAL))
         return COMMANDS[args.cmd][1](args)
     except (GraphmpError, RunLimitExceeded) as e:
         print(f"graphmp: error: {_one_line(str(e))}", file=sys.stderr)
@@ -170,4 +207,6 @@ def _run(args) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if previous_int is not None:
+            signal.signal(signal.SIGINT, previous_int)
 
