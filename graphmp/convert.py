@@ -455,7 +455,7 @@ def _write(ctx, dst, low: LowConverter, had_external: bool, t0: float) -> Conver
     t_write = time.perf_counter()
     # the load check runs on the finished temporary file: a model ONNX Runtime cannot open never replaces dst
     gate = Gate(ctx.batches[0] if ctx.batches else None, opts.shapes, ctx.log,
-                bf16=opts.target == "bf16") if opts.load_check else None
+                bf16=opts.target == "bf16", shown_as=os.fspath(dst)) if opts.load_check else None
     try:
         save_model(ctx.model, os.fspath(dst), ctx.base_dir, low, bool(ext),
                    progress=(lambda i, n: ctx.detail(f"  tensor {i}/{n}")) if opts.verbose else None, before_commit=gate)

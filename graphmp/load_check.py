@@ -65,7 +65,7 @@ def timeout_for(nbytes: int) -> float:
 
 
 def probe(path, feeds: dict | None = None, *, run: bool = True, shapes=None, providers=DEFAULT_PROVIDERS,
-          options: dict | None = None, timeout: float | None = None) -> dict:
+          options: dict | None = None, timeout: float | None = None, shown_as: str | None = None) -> dict:
     """Open `path` in ONNX Runtime in a child process, then (run=True) run it once on
     `feeds` ({input: array}, cast to the types the session asks for), or, without feeds,
     on inputs graphmp.inputs generates (`shapes`: --shapes for the dynamic dims).
@@ -74,11 +74,13 @@ def probe(path, feeds: dict | None = None, *, run: bool = True, shapes=None, pro
 
     Returns {"passed", "stage" (how far it got: load, inputs, run, done), "ran", "error"
     (one line, None when passed), "crashed" (the signal's name, or None), "note", "inputs",
-    "seconds", "timeout_s", "runtime"}. Never raises for what the model does."""
+    "seconds", "timeout_s", "runtime"}. Never raises for what the model does. shown_as: the
+    name the child's messages give the model (the output a temporary file will become)."""
     path = os.fspath(path)
     timeout = timeout_for(model_bytes(path)) if timeout is None else timeout
     spec = {"providers": [p if isinstance(p, str) else [p[0], dict(p[1])] for p in providers],
-            "options": _plain(options or {}), "run": bool(run), "shapes": shapes, "feeds": None}
+            "options": _plain(options or {}), "run": bool(run), "shapes": shapes, "feeds": None,
+            "shown_as": shown_as or path}
     tmp = tempfile.mkdtemp(prefix="graphmp-load-check-")
     t0 = time.perf_counter()
     try:
@@ -210,13 +212,14 @@ class Gate:
     the ORT_ENABLE_EXTENDED retry that names the cause) raises LoadCheckFailed, so the
     temporary file goes and the output path is untouched. `result`: the last probe's."""
 
-    def __init__(self, feeds: dict | None = None, shapes=None, log=None, bf16: bool = False):
+    def __init__(self, feeds: dict | None = None, shapes=None, log=None, bf16: bool = False, shown_as=None):
         self.feeds, self.shapes, self.log, self.result, self.bf16 = feeds, shapes, log, None, bf16
+        self.shown_as = shown_as  # the output path the temporary file becomes, for messages
 
     def __call__(self, tmp_path: str) -> None:
         if self.log:
             self.log("load check: opening and running the output in ONNX Runtime (a child process)")
-        res = self.result = probe(tmp_path, self.feeds, shapes=self.shapes)
+        res = self.result = probe(tmp_path, self.feeds, shapes=self.shapes, shown_as=self.shown_as)
         if res["passed"]:
             return
         if self.bf16 and res["crashed"] is None and NO_KERNEL in (res["error"] or ""):
@@ -272,7 +275,7 @@ def _feeds(sess, spec: dict, path: str):
         from graphmp.inputs import find_shapes
         model = onnx.load(path, load_external_data=False)
         try:
-            plan = find_shapes(model, lambda f: sess.run(None, f), spec["shapes"], where=path)
+            plan = find_shapes(model, lambda f: sess.run(None, f), spec["shapes"], where=spec.get("shown_as") or path)
             given, how = plan.feeds(0), plan.describe()  # generate() refuses inputs over its size cap
         except GraphmpError as e:
             return None, f"not run: {e}"

@@ -269,7 +269,7 @@ def pad(src, dst=None, *, multiple: int = 8, stem: str = "auto", max_overhead: f
     rep.update(source=path, output=os.fspath(dst) if dst is not None else None)
     had_external = any(is_external(t) for g in iter_graphs(model.graph) for t in g.initializer)
     if dst is not None:
-        gate = Gate(shapes=shapes) if load_check else None
+        gate = Gate(shapes=shapes, shown_as=os.fspath(dst)) if load_check else None
         try:
             save_model(model, os.fspath(dst), base_dir, None, had_external if external_data is None else external_data,
                        before_commit=gate)
@@ -285,7 +285,12 @@ def pad(src, dst=None, *, multiple: int = 8, stem: str = "auto", max_overhead: f
                 materialize(t, base_dir, None)
         out = model
     if validate:
-        rep["validation"] = validate_padding(src, out, shapes, seed)
+        try:
+            rep["validation"] = validate_padding(src, out, shapes, seed)
+        except GraphmpError as e:  # it could not run (no input shapes, a run limit): say what stays on disk
+            if dst is None:
+                raise
+            raise GraphmpError(f"{e}; the padded model was written to {os.fspath(dst)} (not validated)") from None
     rep["seconds"] = time.perf_counter() - t0
     return PadReport(rep, None if dst is not None else model)
 

@@ -41,7 +41,10 @@ def test_generated_inputs_of_1e12_elements_are_refused_naming_the_input(tmp_path
     m = _relu(tmp_path / "big.onnx", [1000000, 1000000])
     argv = ["check", m, m] if cmd == "check" else ["pad", m, "-o", str(tmp_path / "p.onnx"), "--validate", "-q"]
     assert main(argv) == 2
-    _one_error(capsys, "input x of shape 1000000x1000000", "more than graphmp generates", "--shapes")
+    line = _one_error(capsys, "input x of shape 1000000x1000000", "more than graphmp generates", "--shapes")
+    if cmd == "pad":  # the padded model is on disk: the line says so, and that it was not validated
+        assert (tmp_path / "p.onnx").exists() and f"the padded model was written to {tmp_path / 'p.onnx'} (not " \
+            "validated)" in line
 
 
 @pytest.mark.parametrize("flag", ["--calibration", "--data"])
