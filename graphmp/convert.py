@@ -183,7 +183,7 @@ class ConvertReport:
         if d.get("kv_cache"):
             lines.append(kv_cache.summary_line(d["kv_cache"]))
         if d.get("search", {}).get("budget"):
-            lines.append(_search_line(d["search"]))
+            lines += _search_line(d["search"]).split("\n")  # its given-back note is a line of its own
         if d.get("plan"):
             lines.append(plan_file.summary_line(d["plan"]))
         if d.get("plan_depends_on_machine"):
@@ -232,7 +232,7 @@ def _search_line(s: dict) -> str:
             f"{num(s.get('error_static_plan'))}); floor {floor:.3g}; {len(s['fp32_regions'])} regions kept FP32 "
             f"({100 * (1 - s['static_plan_compute_kept_fp16']):.1f}% of the static plan's FP16 compute); "
             + (f"{'~' if s.get('compute_share_approximate') else ''}{100 * s['model_compute_fp16']:.1f}% of the "
-               "model's Conv/MatMul compute in FP16; "
+               "model's float Conv/MatMul compute in FP16; "
                if s.get("model_compute_fp16") is not None else "Conv/MatMul compute share unknown (no shapes); ")
             + f"{s['evaluations']} evaluations, {s['seconds']:.1f} s"
             + (f"\n  given back: {len(s['given_back'])} node(s) the range rule (|x| > --range-threshold) keeps FP32 "
