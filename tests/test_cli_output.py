@@ -177,6 +177,13 @@ def test_help_shows_accepted_values_and_no_default_none():
     assert "{fp16,bf16}" in conv and "{softmax,all,fp32}" in conv
 
 
+def test_help_never_says_a_default_twice_nor_that_a_no_switch_is_on():
+    assert "(default: True)" not in _option_help(_help("convert"), "--no-keep-io-types")
+    assert "(default: True)" not in _option_help(_help("pad"), "--no-external-data")
+    growth = _option_help(_help("train-graph"), "--growth-interval")
+    assert "(2000)" in growth and "default: 2000" not in growth
+
+
 def test_every_help_example_parses():
     """Each example line of every --help is a command line the parser accepts (a renamed
     flag in an example fails here), and each command shows one that runs from a clone."""

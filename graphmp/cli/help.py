@@ -14,9 +14,10 @@ def _default_text(default) -> str:
 
 
 def _worth_saying(action) -> bool:
-    """An option whose default tells the user something (not None, False, empty or a -v count)."""
+    """An option whose default tells the user something (not None, False, empty or a -v
+    count; not a --no-X switch, whose default True reads as if --no-X were on)."""
     return (bool(action.option_strings) and action.default not in (None, False, (), [], "", argparse.SUPPRESS)
-            and not isinstance(action, argparse._CountAction))
+            and not isinstance(action, (argparse._CountAction, argparse._StoreFalseAction)))
 
 
 def use_help_style(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +37,8 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if not _worth_saying(action) or "default" in text.lower():
+        said = f"({_default_text(action.default)})" in text  # "(0.5)": the help gives it already
+        if not _worth_saying(action) or "default" in text.lower() or said:
             return text
         return f"{text} (default: {_default_text(action.default).replace('%', '%%')})"
 
