@@ -73,7 +73,8 @@ def compare(ref: np.ndarray, got: np.ndarray, atol: float | None = None, rtol: f
     ok = np.isfinite(r) & np.isfinite(g)
     diff = np.abs(g - r)[ok]
     scale = float(np.abs(r[ok]).max()) if ok.any() else 0.0
-    max_abs = float(diff.max()) if diff.size else 0.0
+    # an inf/NaN where FP32 is finite is an infinite difference (not 0 where nothing else is finite)
+    max_abs = float("inf") if new_nonfinite else float(diff.max()) if diff.size else 0.0
     agree = None
     if r.ndim in (2, 3) and r.shape[-1] > 1 and r.size:  # class scores [N, C] / [N, T, V], not image maps
         agree = float(np.mean(np.argmax(r, axis=-1) == np.argmax(np.nan_to_num(g), axis=-1)))
@@ -81,7 +82,8 @@ def compare(ref: np.ndarray, got: np.ndarray, atol: float | None = None, rtol: f
     if atol is not None or rtol is not None:
         passed = passed and bool(np.all(diff <= (atol or 0.0) + (rtol or 0.0) * np.abs(r[ok])))
     return {"max_abs": max_abs, "max_rel": max_abs / scale if scale > 0 else max_abs, "ref_max_abs": scale,
-            "nonfinite": new_nonfinite, "argmax_agree": agree, "error": error, "passed": passed}
+            "nonfinite": new_nonfinite, "ref_nonfinite": int(np.count_nonzero(~np.isfinite(r))),
+            "argmax_agree": agree, "error": error, "passed": passed}
 
 
 def _full_check(model) -> str | None:
@@ -182,7 +184,9 @@ def _output_line(d: dict, name: str, o: dict) -> str:
     verdict_word = "n/a" if o.get("not_judged") else "ok " if o["passed"] else "BAD"
     head = f"  {shown(name)}: {verdict_word} " + (f"not judged: {o['not_judged']}; " if o.get("not_judged") else "")
     return (head + f"{judged}; max abs {o['max_abs']:.4g}" + _decisions_text(o)
-            + (f", NON-FINITE x{o['nonfinite']}" if o["nonfinite"] else ""))
+            + (f", NON-FINITE x{o['nonfinite']}" if o["nonfinite"] else "")
+            + (f"; the FP32 model itself gives {o['ref_nonfinite']} inf/NaN here (compared where both are finite)"
+               if o.get("ref_nonfinite") else ""))
 
 
 def _decisions_text(o: dict) -> str:
@@ -526,6 +530,7 @@ def _merge(outputs: dict, budget) -> dict:
                      "max_abs": max(r["max_abs"] for r in rows), "max_rel": max(r["max_rel"] for r in rows),
                      "ref_max_abs": max(r.get("ref_max_abs", 0.0) for r in rows),
                      "nonfinite": sum(r["nonfinite"] for r in rows),
+                     "ref_nonfinite": sum(r.get("ref_nonfinite", 0) for r in rows),
                      "argmax_agree": float(np.mean(agrees)) if agrees else None,
                      "per_batch": errs if len(errs) > 1 else None,  # the spread the verdict's max hides
                      "passed": all(r["passed"] for r in rows)}

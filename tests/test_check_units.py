@@ -135,3 +135,19 @@ def test_cuda_row_that_cannot_load_or_lands_on_the_cpu_is_a_warning(monkeypatch)
     rep = check(m, out).to_dict()
     assert rep["passed"] and list(rep["outputs"]) == ["y"]
     assert rep["warnings"] == ["ORT CUDA was asked for but the session runs on CPUExecutionProvider: no CUDA row"]
+
+
+def test_compare_counts_inf_where_fp32_is_finite_as_an_infinite_difference():
+    """Every converted value inf: 'max abs 0' read as a perfect match (nothing else was finite)."""
+    from graphmp.check import compare
+    ref = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    row = compare(ref, np.full_like(ref, np.inf))
+    assert row["nonfinite"] == 4 and row["max_abs"] == float("inf") and not row["passed"]
+    assert compare(ref, ref + 0.5)["max_abs"] == 0.5  # finite differences as before
+
+
+def test_compare_says_where_the_fp32_reference_itself_is_not_finite():
+    from graphmp.check import compare
+    ref = np.array([[1.0, np.nan], [3.0, np.inf]], np.float32)
+    row = compare(ref, ref.copy())
+    assert row["ref_nonfinite"] == 2 and row["nonfinite"] == 0 and row["passed"] and row["max_abs"] == 0.0
