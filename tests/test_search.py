@@ -143,7 +143,7 @@ def test_search_beats_the_naive_cut_on_a_detector():
     s = captured["s"]
     # a refit on every batch (held-out batch over the budget, or over its margin) ranks the
     # regions again on the batch the plan errs most on and costs a second bisection,
-    # give-back and split; the wide range-rule region its own trials (169 measured)
+    # give-back and split; the wide range-rule region its own trials (172 measured)
     assert rep["reached"] and rep["evaluations"] < 200
     every = list(range(len(s.batches)))
     lo, hi = 0, len(s.regs)

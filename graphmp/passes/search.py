@@ -36,8 +36,9 @@ Steps (1 in passes/regions.py, 2 in passes/switchable.py):
      then check the plan. The margin, its error there over its error on the batches it
      was chosen on (1 to MAX_MARGIN), is how much further unseen inputs may take it: if
      its error on every batch is over min(1, UNSEEN / margin), steps 5-7 run again on
-     every batch within that limit, the regions ranked again on the batch the plan errs
-     most on. The error per batch is reported;
+     every batch within that limit, each region ranked by the larger of its error alone
+     on the first batch and on the batch the plan errs most on. The error per batch is
+     reported;
   9. wide range-rule regions still FP32 go to FP16 where the plan stays within the limit
      (all at once, else one by one), and a plan that frees one must give finite outputs
      on the first batch x LOUD (`louder`): FP16 overflow is inf in the emulation, so a
@@ -250,6 +251,19 @@ class _Search:
                 fp32.discard(2 * k)
         return frozenset(fp32)
 
+    def rank_again(self, worst: int, ranked_on: int):
+        """Before a refit: each region's error alone is also measured on `worst`, the batch
+        the chosen plan errs most on (when it is not the batch `ranked_on` that ranked them),
+        and the larger of the two ranks it: a region that matters on either batch comes
+        early (ranked on the worst batch alone, the refit of basic_pitch kept more compute
+        FP32 for a larger error than ranked on the first)."""
+        if worst == ranked_on:
+            return
+        before = [r.error_alone for r in self.regs]
+        self.sensitivities([worst])
+        for r, e in zip(self.regs, before):
+            r.error_alone = max(r.error_alone, e)
+
     def give_back_wide(self, fp32: frozenset, which: list) -> frozenset:
         """Step 9: the wide range-rule regions still FP32 tried in FP16, first all together
         (one evaluation where every one fits), else one by one, most expensive first (at
@@ -372,10 +386,8 @@ def _search(s: _Search, details: dict, every: list, real: int) -> frozenset:
             s.limit = details["limit"] = min(1.0, UNSEEN / details["margin"])
             details["refit_on_all_batches"] = s.error(chosen, every) > s.limit
             if details["refit_on_all_batches"]:  # too tight for unseen data: select again on every batch,
-                worst = max(every, key=lambda i: (s.error(chosen, [i]), -i))  # ranked where the plan errs most
-                if worst != search_on[0]:
-                    s.sensitivities([worst])
-                chosen = s.select(every, start=s.prefix if worst == search_on[0] else 0)
+                s.rank_again(max(every, key=lambda i: (s.error(chosen, [i]), -i)), search_on[0])
+                chosen = s.select(every)
         if details["error_static_plan"] > 1 or s.plan_price(chosen) < s.plan_price(s.start):
             fp32 = chosen
         else:  # the static plan (chosen on no batch) is cheaper: kept, its wide regions tried one by one
