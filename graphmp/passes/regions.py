@@ -20,7 +20,7 @@ from onnx import TensorProto
 
 from .. import policy
 from ..cast_cost import compute_flops
-from .paint import float_edges
+from .paint import float_edges, repaint
 
 MAX_REGIONS = 48
 
@@ -113,9 +113,33 @@ def _weight_bytes(ctx, g, n) -> int:
     return total
 
 
-def regions(ctx, costs: dict, wide_units: dict | None = None) -> list[Region]:
-    """Candidate regions of the painted plan (step 1). wide_units ({graph key: nodes}, from
-    the search): in each graph, those nodes (the range rule's wide candidates and what paint
+def wide_units(ctx) -> dict:
+    """{graph key: the nodes of its wide unit}: the wide range-rule candidates of each
+    graph, with the nodes paint lowered only because those were candidates (painted
+    without them, as without --max-error, they are FP32). Kept FP32 together, the unit is
+    the painting the range rule gives (Silero VAD: an LSTM's weight Slices stay FP32 with
+    it, not FP16 behind a Cast at every run, 0.8 MB per inference); given back, it is the
+    painting with the candidates lowered."""
+    out: dict = {}
+    for g in ctx.root.walk():
+        wide = [n for n in g.nodes if n in ctx.wide_range and n in ctx.lowered]
+        if not wide:
+            continue
+        saved = {n: (ctx.info[n].cls, ctx.info[n].reason) for n in wide}
+        for n in wide:
+            ctx.info[n].cls, ctx.info[n].reason = "fp32", ctx.range_candidates[n]
+        try:
+            without = repaint(ctx, g)
+        finally:
+            for n, (cls, reason) in saved.items():
+                ctx.info[n].cls, ctx.info[n].reason = cls, reason
+        out[g.key] = {n for n in g.nodes if n in ctx.lowered and (n in ctx.wide_range or n not in without)}
+    return out
+
+
+def regions(ctx, costs: dict, wide: dict | None = None) -> list[Region]:
+    """Candidate regions of the painted plan (step 1). wide ({graph key: nodes}, from
+    wide_units): in each graph, those nodes (the range rule's wide candidates and what paint
     lowered only beside them) are one region of their own (`wide`: the search starts it
     FP32), so that giving it back moves no other node and keeping it keeps no other."""
     forced = re.compile(ctx.options.fp16_nodes) if ctx.options.fp16_nodes else None
@@ -123,7 +147,7 @@ def regions(ctx, costs: dict, wide_units: dict | None = None) -> list[Region]:
     for g in ctx.root.walk():
         _, pred = float_edges(ctx, g)
         region_of: dict = {}
-        apart = (wide_units or {}).get(g.key, set())
+        apart = (wide or {}).get(g.key, set())
         wide_region = None
         for n in g.nodes:
             if n not in ctx.lowered or (forced and forced.search(n.name)):

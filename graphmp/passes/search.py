@@ -43,7 +43,7 @@ Steps (1 in passes/regions.py, 2 in passes/switchable.py):
      (all at once, else one by one), and a plan that frees one must give finite outputs
      on the first batch x LOUD (`louder`): FP16 overflow is inf in the emulation, so a
      node that overflows, or would on inputs a little larger, stays FP32 (with the nodes
-     paint lowered only beside it: _wide_units).
+     paint lowered only beside it: regions.wide_units).
 --search-time S: past S seconds no new plan is measured; the cheapest plan measured
 within budget so far is kept (or every region FP32), said in the report and a warning,
 and verify measures the written model. Without it the search is bounded by evaluations
@@ -62,7 +62,7 @@ from ..errors import GraphmpError, first_line
 from ..model_runs import runner
 from ..session import CUDA, ran_on
 from . import PassResult
-from .regions import _is_compute, _weight_bytes, node_costs, regions, whole
+from .regions import _is_compute, _weight_bytes, node_costs, regions, whole, wide_units
 from .switchable import Switchable
 
 MAX_SEARCH_BATCHES = 4
@@ -307,7 +307,7 @@ def run(ctx) -> PassResult:
     batches, refs = _references(ctx)
     budget = ctx.search_budget = measure(ctx.model, batches, refs, opts.max_error, opts.metric, ctx.base_dir)
     costs, approximate = node_costs(ctx, batches[0])
-    regs = regions(ctx, costs, _wide_units(ctx))
+    regs = regions(ctx, costs, wide_units(ctx))
     details = {"budget": budget.to_dict(), "regions": len(regs), "batches": len(batches),
                "compute_share_approximate": approximate,
                "generated_inputs": ctx.report.get("calibration", {}).get("source") == "generated inputs"}
@@ -505,35 +505,10 @@ def _apply_plan(ctx, s: _Search, fp32: frozenset):
     return moved, kept_cost
 
 
-def _wide_units(ctx) -> dict:
-    """{graph key: the nodes of its wide unit}: the wide range-rule candidates of each
-    graph, with the nodes paint lowered only because those were candidates (painted
-    without them, as without --max-error, they are FP32). Kept FP32 together, the unit is
-    the painting the range rule gives (Silero VAD: an LSTM's weight Slices stay FP32 with
-    it, not FP16 behind a Cast at every run, 0.8 MB per inference); given back, it is the
-    painting with the candidates lowered."""
-    from .paint import repaint
-    out: dict = {}
-    for g in ctx.root.walk():
-        wide = [n for n in g.nodes if n in ctx.wide_range and n in ctx.lowered]
-        if not wide:
-            continue
-        saved = {n: (ctx.info[n].cls, ctx.info[n].reason) for n in wide}
-        for n in wide:
-            ctx.info[n].cls, ctx.info[n].reason = "fp32", ctx.range_candidates[n]
-        try:
-            without = repaint(ctx, g)
-        finally:
-            for n, (cls, reason) in saved.items():
-                ctx.info[n].cls, ctx.info[n].reason = cls, reason
-        out[g.key] = {n for n in g.nodes if n in ctx.lowered and (n in ctx.wide_range or n not in without)}
-    return out
-
-
 def _keep_range_rule(ctx, r):
     """A wide region the search did not give back: FP32, its range-rule nodes with the
     rule's reason and the error the plan had with the region in FP16 (when it was tried);
-    the nodes paint lowered only beside them (_wide_units) as paint leaves them."""
+    the nodes paint lowered only beside them (regions.wide_units) as paint leaves them."""
     tried = (f"in FP16 it overflows (inf) on the calibration batches or on the first x{LOUD:g}"
              if r.error_fp16 == float("inf") else
              f"in FP16 the plan gave {r.error_fp16:.3g} x the budget" if r.error_fp16 is not None else
