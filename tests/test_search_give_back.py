@@ -140,3 +140,12 @@ def test_no_cuda_row_without_a_gpu():
     if cuda_available():
         pytest.skip("a GPU is present")
     assert "verified_ort_cuda" not in graphmp.convert(_mlp(700), None, max_error="1e-2")["search"]
+
+
+def test_out_of_search_time_a_wide_range_rule_node_stays_fp32_untried():
+    """--search-time past before anything was measured: the node past GIVE_BACK_RANGE keeps
+    the range rule's verdict, and its reason says it was not tried in FP16."""
+    rep = graphmp.convert(_mlp(20000), None, max_error="1e-2", search_time=1e-6, range_threshold=512)
+    assert "--search-time" in rep["search"]["out_of_time"]
+    why = rep.fp32_nodes["wide"]
+    assert why.startswith("range:") and why.endswith("not tried in FP16"), why

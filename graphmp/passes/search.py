@@ -148,12 +148,13 @@ class _Search:
 
     def best_so_far(self, every: list) -> frozenset | None:
         """The cheapest plan measured within budget (on every batch when one was measured
-        there, else on the batches it ran on), or None when none was."""
+        there, else on the batches it ran on; one that frees a wide region only when its
+        overflow check passed), or None when none was."""
         plans: dict = {}
         for (fp32, i), e in self.per.items():
             plans.setdefault(fp32, {})[i] = e
         ok = [(self.plan_price(f), -len(m), f) for f, m in plans.items()
-              if max(m.values()) <= 1 and self.loud_ok.get(f, True)]
+              if max(m.values()) <= 1 and (not self.start - f or self.loud_ok.get(f, False))]
         pool = [x for x in ok if -x[1] == len(every)] or ok
         return min(pool, key=lambda x: (x[0], x[1]))[2] if pool else None
 
