@@ -46,8 +46,8 @@ accuracy budget (--max-error):
   the cheapest set FP32 that brings every output within the budget. It starts from the
   most-FP16 plan: nodes only the range rule keeps FP32 (|x| up to 4094) start in FP16 and
   stay there where the error allows ("given back"); wider ones start FP32 and go to FP16
-  only where the measured error allows and the plan stays finite on the first batch x2
-  (a node that overflows FP16 stays FP32). With two batches or more the last one is held
+  only where the measured error allows, also on the first batch x2 (within 1.5x the
+  budget: a node that overflows FP16 there stays FP32). With two batches or more the last one is held
   back, with a perturbed copy of the first (shifted one step, x1.01); where the plan errs
   more there than on the batches it was chosen on (the margin), it is chosen again on
   every batch within 1.5 / margin x the budget, so that unseen inputs stay within 1.5x
