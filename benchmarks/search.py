@@ -760,16 +760,18 @@ def _worker_cmd(kind, *args):
 
 
 # --------------------------------------------------------------------------- orchestration (parent side)
-def plan_rows(tools, max_error) -> list[dict]:
-    """(tool, label, options) of every row, in table order; CAL is filled in per model."""
+def plan_rows(tools, max_error, budgets=("E", "tf32", "auto")) -> list[dict]:
+    """(tool, label, options) of every row, in table order; CAL is filled in per model.
+    `budgets`: the graphmp-budget rows (E: the model's max_error)."""
     rows = []
     for t in tools:
         if t == "graphmp":
             rows.append({"tool": t, "label": "graphmp", "options": {}})
         elif t == "graphmp-budget":
-            rows.append({"tool": t, "label": f"graphmp-budget {max_error:g}", "options": {"max_error": max_error}})
-            rows.append({"tool": t, "label": "graphmp-budget tf32", "options": {"max_error": "tf32"}})
-            rows.append({"tool": t, "label": "graphmp-budget auto", "options": {"max_error": "auto"}})
+            for b in budgets:
+                spec = max_error if b == "E" else b
+                label = f"graphmp-budget {max_error:g}" if b == "E" else f"graphmp-budget {b}"
+                rows.append({"tool": t, "label": label, "options": {"max_error": spec}})
         elif t == "occ-amp":
             rows.append({"tool": t, "label": f"occ-amp {max_error:g}", "options": {"max_error": max_error}})
         else:
@@ -870,7 +872,7 @@ def bench_model(name, args, avail, root: Path, wheels: dict, log) -> dict:
     if info["reference_error"]:
         info["status"] = f"not available: FP32 reference failed: {info['reference_error']}"
         return info
-    for row in plan_rows(args.tools, info["max_error"]):
+    for row in plan_rows(args.tools, info["max_error"], [b.strip() for b in args.budgets.split(",") if b.strip()]):
         log(f"  {name}: {row['label']} ...")
         try:
             row = run_row(row, src, work, data, args, avail)
@@ -974,6 +976,8 @@ def main(argv=None):
                     help="python of the AutoCast venv (default %(default)s; env AUTOCAST_PYTHON)")
     ap.add_argument("--cache", default=str(REPO / "models" / "build"), help="where downloaded models are kept")
     ap.add_argument("--keep", default=None, metavar="DIR", help="keep inputs, references and converted models in DIR")
+    ap.add_argument("--budgets", default="E,tf32,auto",
+                    help="the graphmp-budget rows: comma list of E (the model's budget), tf32, auto (default %(default)s)")
     ap.add_argument("--graphmp-root", default=None, metavar="PATH",
                     help="the graphmp rows import graphmp from PATH/graphmp (another checkout, e.g. a git worktree "
                          "of the commit before a change); reference, evaluation and structure use this checkout's")

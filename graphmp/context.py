@@ -140,6 +140,7 @@ class Ctx:
     batches: list = field(default_factory=list)    # calibration feeds that ran (for the search)
     batch_outputs: list = field(default_factory=list)  # the model's outputs on the first batches (calibrate)
     range_candidates: dict = field(default_factory=dict)  # Node -> range reason the search may overrule
+    wide_range: set = field(default_factory=set)   # those of them past classify.GIVE_BACK_RANGE: start FP32
     search_refs: list = field(default_factory=list)  # FP32 outputs on those batches (search, verify)
     search_budget: object = None                    # graphmp.budget.Budget of --max-error (search, verify)
     plan: object = None                             # node keys, budget, references (passes/plan_file.py)

@@ -86,12 +86,12 @@ PIPELINE = [
     Step("calibration", calibrate.run, needs=("types",), gives=("ranges", "shapes", "batches", "batch_outputs")),
     # op class; why a node must stay FP32
     Step("classify", classify.run, needs=("root", "types", "opsets", "ranges"),
-         gives=("info", "weight_rounding", "range_candidates")),
+         gives=("info", "weight_rounding", "range_candidates", "wide_range")),
     # which nodes run in the low type
     Step("paint", paint.run, needs=("info",), gives=("lowered",)),
     # --max-error: fewest FP32 nodes within budget (not with --plan)
     Step("search", plan_file.unless_plan(search.run),
-         needs=("info", "lowered", "batches", "batch_outputs", "range_candidates"),
+         needs=("info", "lowered", "batches", "batch_outputs", "range_candidates", "wide_range"),
          gives=("search_budget", "search_refs"), when=_searching),
     # FP32 islands whose Casts cost more than the accuracy they buy (measured), and FP16
     # groups whose Casts cost more than their Tensor Core work; after the search, so that
@@ -221,8 +221,11 @@ def _search_line(s: dict) -> str:
         return head + f"met by the static plan, error {s.get('error_static_plan', 0):.3g} x budget; floor {floor:.3g}"
     held = ""
     if "held_out_error" in s:
-        held = (f", held-out batch {s['held_out_error']:.3g} (above: refit on every batch)" if s["refit_on_all_batches"]
-                else f", held-out batch {s['held_out_error']:.3g}")
+        margin = s.get("margin", 1.0)
+        held = f", held-out batch {s['held_out_error']:.3g}" + (f", margin {margin:.3g}" if margin > 1 else "")
+        if s["refit_on_all_batches"]:
+            held += (f" (refit on every batch within {s['limit']:.3g} x budget, for unseen inputs)" if s.get("limit", 1) < 1
+                     else " (above: refit on every batch)")
     def num(x):
         return "not measured" if x is None else f"{x:.3g}"
     met = {True: "met", False: "NOT met"}.get(s["reached"], "not measured")

@@ -141,7 +141,10 @@ def test_search_beats_the_naive_cut_on_a_detector():
     finally:
         search._Search.select = real_select
     s = captured["s"]
-    assert rep["reached"] and rep["evaluations"] < 100
+    # a refit on every batch (held-out batch over the budget, or over its margin) ranks the
+    # regions again on the batch the plan errs most on and costs a second bisection,
+    # give-back and split; the wide range-rule region its own trials (172 measured)
+    assert rep["reached"] and rep["evaluations"] < 200
     every = list(range(len(s.batches)))
     lo, hi = 0, len(s.regs)
     while lo < hi:  # the naive cut: the shortest prefix of regions in graph order that meets the budget

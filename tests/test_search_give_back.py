@@ -2,7 +2,9 @@
 only the static range rule (|x| > --range-threshold in calibration; 512 here, one
 threshold for every node, as the auto rule has near a subtraction) keeps FP32 start in
 FP16 and stay there when the measured error allows ("given back"); up to 16x headroom
-below FP16's max (classify.GIVE_BACK_RANGE); beyond it the rule stays a hard one."""
+below FP16's max (classify.GIVE_BACK_RANGE). Past it they start FP32 and are given back
+where the measured plan stays within the budget, and within UNSEEN x it on inputs LOUD x
+as large (an overflow is inf in the emulation, so a node that overflows stays FP32)."""
 import numpy as np
 import onnx
 import pytest
@@ -13,7 +15,8 @@ import graphmp
 from graphmp.cli import main
 from graphmp.emulate import emulated_runner
 from graphmp.model_runs import cuda_available, runner
-from graphmp.passes.classify import GIVE_BACK_RANGE
+from graphmp.passes.classify import FP16_MAX, GIVE_BACK_RANGE
+from graphmp.passes.search import LOUD
 
 
 def _mlp(peak: float, cancel: bool = False, seed: int = 0) -> onnx.ModelProto:
@@ -64,12 +67,34 @@ def test_range_rule_is_given_back_where_the_budget_allows():
     assert _error(src, rep.model) <= 1e-2  # held on inputs the search never saw
 
 
-def test_beyond_the_headroom_the_range_rule_stays_hard():
+def test_past_the_headroom_the_range_rule_is_given_back_where_measured():
+    """Past GIVE_BACK_RANGE the rule's node starts FP32 and goes to FP16 only where the
+    measured plan stays within the budget, and within UNSEEN x it on the loud copy (inputs
+    x LOUD) (before: it stayed FP32 whatever the budget)."""
     src = _mlp(20000)
-    assert _widest(20000) > GIVE_BACK_RANGE
+    assert GIVE_BACK_RANGE < _widest(20000) < FP16_MAX / LOUD
+    assert graphmp.convert(src, None, range_threshold=512).fp32_nodes["wide"].startswith("range:")
     rep = graphmp.convert(src, None, max_error="1e-2", range_threshold=512)
-    assert rep.fp32_nodes["wide"].startswith("range:")
-    assert not rep["search"].get("given_back")
+    assert not {"wide", "relu", "head"} & set(rep.fp32_nodes), rep.fp32_nodes
+    assert {"wide", "relu", "head"} <= {e["node"] for e in rep["search"]["given_back"]}
+    assert rep["search"]["reached"] and rep["search"]["verified"]["normalized"] <= 1
+    assert _error(src, rep.model) <= 1e-2
+
+
+@pytest.mark.parametrize("peak", [45000, 90000])
+def test_a_range_rule_node_that_overflows_in_fp16_stays_fp32(peak):
+    """90000: past FP16's max on the calibration batches (inf in the emulation); 45000:
+    within it, but not on inputs LOUD x as large. Either way the node stays FP32 with the
+    rule's reason and what the search measured, under a budget loose enough for the rest."""
+    src = _mlp(peak)
+    widest = _widest(peak)
+    assert (widest > FP16_MAX) if peak > FP16_MAX else (FP16_MAX / LOUD < widest < FP16_MAX)
+    rep = graphmp.convert(src, None, max_error="1e-1", range_threshold=512)
+    for node in ("wide", "head"):
+        why = rep.fp32_nodes[node]
+        assert why.startswith("range:") and "it overflows (inf)" in why, why
+    assert not rep["search"]["given_back"]
+    assert rep["search"]["reached"] and np.isfinite(_error(src, rep.model))
 
 
 def test_a_candidate_that_breaks_the_budget_is_kept_fp32_with_both_reasons():
@@ -115,3 +140,12 @@ def test_no_cuda_row_without_a_gpu():
     if cuda_available():
         pytest.skip("a GPU is present")
     assert "verified_ort_cuda" not in graphmp.convert(_mlp(700), None, max_error="1e-2")["search"]
+
+
+def test_out_of_search_time_a_wide_range_rule_node_stays_fp32_untried():
+    """--search-time past before anything was measured: the node past GIVE_BACK_RANGE keeps
+    the range rule's verdict, and its reason says it was not tried in FP16."""
+    rep = graphmp.convert(_mlp(20000), None, max_error="1e-2", search_time=1e-6, range_threshold=512)
+    assert "--search-time" in rep["search"]["out_of_time"]
+    why = rep.fp32_nodes["wide"]
+    assert why.startswith("range:") and why.endswith("not tried in FP16"), why

@@ -45,9 +45,13 @@ accuracy budget (--max-error):
   do) on the calibration batches, finds which regions of the model cause it, and keeps
   the cheapest set FP32 that brings every output within the budget. It starts from the
   most-FP16 plan: nodes only the range rule keeps FP32 (|x| up to 4094) start in FP16 and
-  stay there where the error allows ("given back"). With two batches or more the last
-  one is held back; the plan must also hold on a perturbed copy of the first (shifted one
-  step, x1.01). A progress line every 2 s (on a terminal, or with -v); --search-time S stops with the best plan so far (the
+  stay there where the error allows ("given back"); wider ones start FP32 and go to FP16
+  only where the measured error allows, also on the first batch x2 (within 1.5x the
+  budget: a node that overflows FP16 there stays FP32). With two batches or more the last one is held
+  back, with a perturbed copy of the first (shifted one step, x1.01); where the plan errs
+  more there than on the batches it was chosen on (the margin), it is chosen again on
+  every batch within 1.5 / margin x the budget, so that unseen inputs stay within 1.5x
+  the budget. A progress line every 2 s (on a terminal, or with -v); --search-time S stops with the best plan so far (the
   plan then depends on the machine). The measured islands then run on the search's plan,
   kept only where every output stays within 2/3 of the budget. The
   report lists every node the search kept FP32, the error it removed and its share of

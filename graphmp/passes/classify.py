@@ -30,8 +30,10 @@ keeps the node FP32 (tests/test_policy.py holds this list to RULES):
      tensors (--range-threshold, else 512 where the value reaches a subtraction or
      normalisation through follow/clear nodes, where FP16 rounding cancels, and 4094
      elsewhere: 16x headroom below FP16's max; the report names the data that decided it)
-     (with --max-error, up to GIVE_BACK_RANGE, it is only a candidate:
-     ctx.range_candidates, and the search decides by the measured error);
+     (with --max-error it is only a candidate, ctx.range_candidates, and the search
+     decides by the measured error: up to GIVE_BACK_RANGE the node starts in FP16, beyond
+     it (ctx.wide_range) in FP32, and goes to FP16 only where the measured error, with
+     FP16 overflow as inf, allows);
   7. [op-class] its op class is fp32 (reductions, Softmax, normalisations, Exp/Log, ...);
      the ops --norm-io names (default softmax: Softmax, LogSoftmax; all: LayerNormalization
      too) get the class "norm" instead: paint lowers them only where both their input and
@@ -80,7 +82,9 @@ BF16_MAX = 3.3895e38
 SMALL_CONST = 64                # initializers this small are constants (eps, scales, masks)
 # With --max-error, rule 6 is a guess the search can test: a node it would keep FP32 starts
 # in FP16 when calibration's widest |x| leaves 16x headroom below FP16's max, and stays
-# there only where the measured error allows (passes/search.py, "given back").
+# there only where the measured error allows (passes/search.py, "given back"); a wider one
+# starts in FP32 and is given back only where measured in FP16 within the budget (a value
+# past FP16's max is inf there, so a node that overflows on the batches stays FP32).
 GIVE_BACK_RANGE = FP16_MAX / 16
 
 
@@ -497,8 +501,10 @@ def _range(r: _Rules, g, n, info, cls):
     if not r.ctx.ranges:
         return None
     reason, widest = _range_reason(r.ctx, g, n, r.consumers)
-    if reason and r.opt.max_error is not None and widest <= GIVE_BACK_RANGE:
-        r.ctx.range_candidates[n] = reason  # the search measures it in FP16 first
+    if reason and r.opt.max_error is not None:
+        r.ctx.range_candidates[n] = reason  # the search decides by the measured error
+        if widest > GIVE_BACK_RANGE:
+            r.ctx.wide_range.add(n)  # starts FP32; FP16 only where measured (overflow is inf there)
         return None
     return reason
 

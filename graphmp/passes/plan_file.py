@@ -354,7 +354,7 @@ def _measurements(ctx) -> tuple:
     if s.get("budget"):
         b = s["budget"]
         measured = {"by": "search", **{k: s[k] for k in ("reached", "error", "error_static_plan", "held_out_error",
-                                                         "evaluations") if k in s}, "verified": s.get("verified")}
+                                                         "margin", "evaluations") if k in s}, "verified": s.get("verified")}
     elif p.get("budget"):
         b = p["budget"]
         measured = {"by": "plan verification", "met": p.get("met"), "verified": p.get("verified")}

@@ -2,7 +2,10 @@
 
 A region is a lowered compute node (Conv, MatMul, Gemm, ...) with the lowered follow and
 clear nodes that hang from it; the cheapest neighbours are merged down to MAX_REGIONS, so
-one decision moves a whole region. Each region has two switches (units): its compute
+one decision moves a whole region. Nodes only the range rule keeps FP32 past
+classify.GIVE_BACK_RANGE (ctx.wide_range), with what paint lowered only beside them, are
+one region per graph (`wide`), never merged: the search starts them FP32 and gives them
+back where measured. Each region has two switches (units): its compute
 nodes (unit 2k) and its followers (unit 2k+1). Costs are FLOPs at the calibration
 batch's shapes; weight bytes stand in where shape inference gives none.
 """
@@ -17,7 +20,7 @@ from onnx import TensorProto
 
 from .. import policy
 from ..cast_cost import compute_flops
-from .paint import float_edges
+from .paint import float_edges, repaint
 
 MAX_REGIONS = 48
 
@@ -29,6 +32,8 @@ class Region:
     cost: float = 0.0
     weight_bytes: int = 0
     error_alone: float = 0.0                       # normalized error with only this region in FP16
+    wide: bool = False                             # range-rule nodes past GIVE_BACK_RANGE: starts FP32
+    error_fp16: float | None = None                # wide: the plan's error when it was tried in FP16 alone
 
     @property
     def anchor(self):
@@ -108,29 +113,65 @@ def _weight_bytes(ctx, g, n) -> int:
     return total
 
 
-def regions(ctx, costs: dict) -> list[Region]:
-    """Candidate regions of the painted plan (step 1)."""
+def wide_units(ctx) -> dict:
+    """{graph key: the nodes of its wide unit}: the wide range-rule candidates of each
+    graph, with the nodes paint lowered only because those were candidates (painted
+    without them, as without --max-error, they are FP32). Kept FP32 together, the unit is
+    the painting the range rule gives (Silero VAD: an LSTM's weight Slices stay FP32 with
+    it, not FP16 behind a Cast at every run, 0.8 MB per inference); given back, it is the
+    painting with the candidates lowered."""
+    out: dict = {}
+    for g in ctx.root.walk():
+        wide = [n for n in g.nodes if n in ctx.wide_range and n in ctx.lowered]
+        if not wide:
+            continue
+        saved = {n: (ctx.info[n].cls, ctx.info[n].reason) for n in wide}
+        for n in wide:
+            ctx.info[n].cls, ctx.info[n].reason = "fp32", ctx.range_candidates[n]
+        try:
+            without = repaint(ctx, g)
+        finally:
+            for n, (cls, reason) in saved.items():
+                ctx.info[n].cls, ctx.info[n].reason = cls, reason
+        out[g.key] = {n for n in g.nodes if n in ctx.lowered and (n in ctx.wide_range or n not in without)}
+    return out
+
+
+def regions(ctx, costs: dict, wide: dict | None = None) -> list[Region]:
+    """Candidate regions of the painted plan (step 1). wide ({graph key: nodes}, from
+    wide_units): in each graph, those nodes (the range rule's wide candidates and what paint
+    lowered only beside them) are one region of their own (`wide`: the search starts it
+    FP32), so that giving it back moves no other node and keeping it keeps no other."""
     forced = re.compile(ctx.options.fp16_nodes) if ctx.options.fp16_nodes else None
     out: list[Region] = []
     for g in ctx.root.walk():
         _, pred = float_edges(ctx, g)
         region_of: dict = {}
+        apart = (wide or {}).get(g.key, set())
+        wide_region = None
         for n in g.nodes:
             if n not in ctx.lowered or (forced and forced.search(n.name)):
                 continue
-            up = [region_of[p] for p in pred[n] if p in region_of]
-            if policy.op_class(n.op_type, n.domain) == "fp16" or not up:
-                r = Region(graph=g.key)
-                out.append(r)
+            if n in apart:
+                if wide_region is None:
+                    wide_region = Region(graph=g.key, wide=True)
+                    out.append(wide_region)
+                r = wide_region
             else:
-                r = up[0]
+                up = [region_of[p] for p in pred[n] if p in region_of]
+                if policy.op_class(n.op_type, n.domain) == "fp16" or not up:
+                    r = Region(graph=g.key)
+                    out.append(r)
+                else:
+                    r = up[0]
+                region_of[n] = r
             r.nodes.append(n)
             r.cost += costs.get(n.name, 0.0)
             r.weight_bytes += _weight_bytes(ctx, g, n)
-            region_of[n] = r
     _fill_unknown_costs(out)
-    while len(out) > MAX_REGIONS:  # merge the cheapest pair of neighbours in one graph
-        pairs = [(out[i].cost + out[i + 1].cost, i) for i in range(len(out) - 1) if out[i].graph == out[i + 1].graph]
+    while len(out) > MAX_REGIONS:  # merge the cheapest pair of neighbours in one graph, wide regions apart
+        pairs = [(out[i].cost + out[i + 1].cost, i) for i in range(len(out) - 1)
+                 if out[i].graph == out[i + 1].graph and not (out[i].wide or out[i + 1].wide)]
         if not pairs:
             break
         _, i = min(pairs)

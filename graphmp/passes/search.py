@@ -17,7 +17,10 @@ Steps (1 in passes/regions.py, 2 in passes/switchable.py):
   2. one switchable model: the FP32 model where each switch's low inputs and outputs
      pass through If(flag) -> round16(x) | x; any plan is one ONNX Runtime run;
   3. the static plan's error (the most-FP16 plan: nodes only the range rule keeps FP32
-     start in FP16, see classify.GIVE_BACK_RANGE); within budget: done (nothing moves);
+     start in FP16 up to classify.GIVE_BACK_RANGE; wider ones, ctx.wide_range, in regions
+     of their own, start FP32); within budget: done (nothing moves) when there are no
+     wide regions or they all fit in FP16 at once; else steps 4-8 choose among every
+     region, wide ones included, and the cheaper of that plan and the static one is kept;
   4. sensitivity: the error with only region r in FP16, everything else FP32, on the
      first batch; quiet groups of regions measured together (group testing);
   5. regions ordered by squared error per unit of price (half compute share, half weight
@@ -30,8 +33,17 @@ Steps (1 in passes/regions.py, 2 in passes/switchable.py):
      damage, and FP32 elementwise work is cheap), where the budget holds;
   8. held-out: steps 4-7 use all calibration batches but the last (with one: that one);
      the last and a perturbed copy of the first (`perturbed`: shifted one step, x1.01)
-     then check the plan; if it fails there, steps 5-7 run again on every batch. The
-     error per batch is reported.
+     then check the plan. The margin, its error there over its error on the batches it
+     was chosen on (1 to MAX_MARGIN), is how much further unseen inputs may take it: if
+     its error on every batch is over min(1, UNSEEN / margin), steps 5-7 run again on
+     every batch within that limit, each region ranked by the larger of its error alone
+     on the first batch and on the batch the plan errs most on. The error per batch is
+     reported;
+  9. wide range-rule regions still FP32 go to FP16 where the plan stays within the limit
+     (all at once, else one by one), and a plan that frees one must stay within UNSEEN x
+     the budget on the first batch x LOUD (`louder`): FP16 overflow is inf in the
+     emulation, so a node that overflows, or would on inputs a little larger, stays FP32 (with the nodes
+     paint lowered only beside it: regions.wide_units).
 --search-time S: past S seconds no new plan is measured; the cheapest plan measured
 within budget so far is kept (or every region FP32), said in the report and a warning,
 and verify measures the written model. Without it the search is bounded by evaluations
@@ -50,11 +62,15 @@ from ..errors import GraphmpError, first_line
 from ..model_runs import runner
 from ..session import CUDA, ran_on
 from . import PassResult
-from .regions import _is_compute, _weight_bytes, node_costs, regions, whole
+from .regions import _is_compute, _weight_bytes, node_costs, regions, whole, wide_units
 from .switchable import Switchable
 
 MAX_SEARCH_BATCHES = 4
 GIVE_BACK = 8       # evaluations spent giving regions back (step 6)
+GIVE_BACK_WIDE = 16  # and giving back wide range-rule regions one by one (step 9)
+LOUD = 2.0          # the factor on the float inputs of the overflow check of wide regions
+UNSEEN = 1.5        # the error (x budget) a plan may reach on inputs like the calibration batches, unseen
+MAX_MARGIN = 2.0    # the most growth to unseen inputs the held-out batches can ask headroom for (step 8)
 SPLIT = 10          # and splitting them (step 7)
 QUIET = 0.05        # sensitivity: a group whose squared error is at most its share of this is not split
 SINGLES = 3         # sensitivity: groups this small are measured region by region
@@ -77,6 +93,10 @@ class _Search:
         self.deadline = self.t0 + limit if limit else float("inf")
         self.per: dict = {}        # (FP32 units, batch) -> normalized error
         self.prefix = 0
+        self.limit = 1.0           # the normalized error a plan must stay within (step 8)
+        self.start = whole(k for k, r in enumerate(regs) if r.wide)  # the static plan: wide regions FP32
+        self.loud = None           # (batch, FP32 outputs): the first batch, louder (overflow_free; run sets it)
+        self.loud_ok: dict = {}
         self.stage = "static plan"
 
     def error(self, fp32: frozenset, which: list) -> float:
@@ -97,7 +117,32 @@ class _Search:
                 got = self.model.outputs(self.batches[i], fp32)
                 self.per[(fp32, i)] = self.budget.normalized(errors([self.refs[i]], [got], self.budget.metric))
             self.evaluations += 1
-        return max(self.per[(fp32, i)] for i in which)
+        worst = max(self.per[(fp32, i)] for i in which)
+        if worst <= 1 and self.start - fp32 and not self.overflow_free(fp32):
+            return float("inf")
+        return worst
+
+    def overflow_free(self, fp32: frozenset) -> bool:
+        """A plan with a wide range-rule region in FP16 stays within UNSEEN x the budget (so
+        finite: an overflow makes the error inf) on the loud copy of the first batch (`loud`:
+        float inputs x LOUD), so that a node calibration saw within a factor LOUD of FP16's
+        max does not overflow on inputs a little larger than the calibration batches (where
+        a saturating op, an LSTM's gates, turns the inf into a wrong finite output, the error
+        shows it). Measured once per plan."""
+        if self.loud is None:  # the FP32 model did not run on it: no wide region is freed
+            return False
+        if fp32 not in self.loud_ok:
+            if time.perf_counter() > self.deadline:
+                raise OutOfTime
+            try:
+                got = self.model.outputs(self.loud[0], fp32)
+            except Exception:  # noqa: BLE001 - a plan that cannot run there is not overflow-free
+                self.loud_ok[fp32] = False
+            else:
+                err = errors([self.loud[1]], [got], self.budget.metric)  # inf where an output overflowed
+                self.loud_ok[fp32] = self.budget.normalized(err) <= UNSEEN
+            self.evaluations += 1
+        return self.loud_ok[fp32]
 
     def measured(self, fp32: frozenset) -> dict:
         """{batch: normalized error} of the batches this plan ran on."""
@@ -105,16 +150,21 @@ class _Search:
 
     def best_so_far(self, every: list) -> frozenset | None:
         """The cheapest plan measured within budget (on every batch when one was measured
-        there, else on the batches it ran on), or None when none was."""
+        there, else on the batches it ran on; one that frees a wide region only when its
+        overflow check passed), or None when none was."""
         plans: dict = {}
         for (fp32, i), e in self.per.items():
             plans.setdefault(fp32, {})[i] = e
-        ok = [(sum(self.unit_price(u) for u in f), -len(m), f) for f, m in plans.items() if max(m.values()) <= 1]
+        ok = [(self.plan_price(f), -len(m), f) for f, m in plans.items()
+              if max(m.values()) <= 1 and (not self.start - f or self.loud_ok.get(f, False))]
         pool = [x for x in ok if -x[1] == len(every)] or ok
         return min(pool, key=lambda x: (x[0], x[1]))[2] if pool else None
 
     def unit_price(self, u: int) -> float:
         return self.price(u // 2, u % 2)
+
+    def plan_price(self, fp32: frozenset) -> float:
+        return sum(self.unit_price(u) for u in fp32)
 
     def log(self, what, err, fp32):
         self.ctx.log(f"search: {what}: error {err:.3g} x budget, {len(fp32)} of {2 * len(self.regs)} switches "
@@ -178,14 +228,14 @@ class _Search:
         """Steps 5-7: the cheapest FP32 units found that meet the budget on `which`
         (`start`: a prefix length known to be too short, from an earlier select)."""
         order = sorted((k for k, r in enumerate(self.regs) if r.error_alone > 0), key=lambda k: -self.usefulness(k))
-        if self.error(whole(order), which) > 1:
+        if self.error(whole(order), which) > self.limit:
             everything = whole(range(len(self.regs)))
-            return everything if self.error(everything, which) <= 1 else whole(order)
+            return everything if self.error(everything, which) <= self.limit else whole(order)
         lo, hi = min(start, len(order)), len(order)
         self.stage = f"bisection over {len(order)} regions"
         while lo < hi:  # the smallest prefix that meets the budget
             mid = (lo + hi) // 2
-            if self.error(whole(order[:mid]), which) <= 1:
+            if self.error(whole(order[:mid]), which) <= self.limit:
                 hi = mid
             else:
                 lo = mid + 1
@@ -194,15 +244,58 @@ class _Search:
         self.log("bisection", self.error(whole(chosen), which), whole(chosen))
         self.stage = "giving regions back"
         for k in sorted(chosen, key=self.usefulness)[:GIVE_BACK]:  # give back
-            if self.error(whole(chosen - {k}), which) <= 1:
+            if self.error(whole(chosen - {k}), which) <= self.limit:
                 chosen.discard(k)
         fp32 = set(whole(chosen))
         self.stage = "splitting regions"
         for k in sorted(chosen, key=lambda k: -self.price(k, 0))[:SPLIT]:  # split
             compute, followers = self.regs[k].parts()
-            if compute and followers and self.error(frozenset(fp32 - {2 * k}), which) <= 1:
+            if compute and followers and self.error(frozenset(fp32 - {2 * k}), which) <= self.limit:
                 fp32.discard(2 * k)
         return frozenset(fp32)
+
+    def rank_again(self, worst: int, ranked_on: int):
+        """Before a refit: each region's error alone is also measured on `worst`, the batch
+        the chosen plan errs most on (when it is not the batch `ranked_on` that ranked them),
+        and the larger of the two ranks it: a region that matters on either batch comes
+        early (ranked on the worst batch alone, the refit of basic_pitch kept more compute
+        FP32 for a larger error than ranked on the first)."""
+        if worst == ranked_on:
+            return
+        before = [r.error_alone for r in self.regs]
+        self.sensitivities([worst])
+        for r, e in zip(self.regs, before):
+            r.error_alone = max(r.error_alone, e)
+
+    def give_back_wide(self, fp32: frozenset, which: list) -> frozenset:
+        """Step 9: the wide range-rule regions still FP32 tried in FP16, first all together
+        (one evaluation where every one fits), else one by one, most expensive first (at
+        most GIVE_BACK_WIDE), each kept in FP16 where the plan stays within self.limit on
+        `which`. An overflow in FP16 is an infinite error in the emulation, so a region
+        that overflows on these batches is never given back."""
+        wide = sorted((k for k, r in enumerate(self.regs) if r.wide and whole([k]) & fp32),
+                      key=lambda k: (-self.price(k), k))
+        if not wide:
+            return fp32
+        self.stage = "giving wide range-rule regions back"
+        if len(wide) > 1 and self.error(fp32 - whole(wide), which) <= self.limit:
+            return fp32 - whole(wide)
+        for k in wide[:GIVE_BACK_WIDE]:
+            err = self.error(fp32 - whole([k]), which)
+            self.regs[k].error_fp16 = err
+            if err <= self.limit:
+                fp32 = fp32 - whole([k])
+        self.log("wide range-rule regions tried in FP16", self.error(fp32, which), fp32)
+        return fp32
+
+    def margin(self, fp32: frozenset, seen: list, unseen: list) -> float:
+        """Step 8: how much larger the plan's error is on the batches it was not chosen on
+        than on those it was (held-out / seen, between 1 and MAX_MARGIN): where the
+        calibration batches disagree, unseen inputs can be as far again from them."""
+        held, fit = self.error(fp32, unseen), self.error(fp32, seen)
+        if held <= fit:
+            return 1.0
+        return MAX_MARGIN if fit <= 0 else min(MAX_MARGIN, held / fit)
 
 
 def run(ctx) -> PassResult:
@@ -217,7 +310,7 @@ def run(ctx) -> PassResult:
     batches, refs = _references(ctx)
     budget = ctx.search_budget = measure(ctx.model, batches, refs, opts.max_error, opts.metric, ctx.base_dir)
     costs, approximate = node_costs(ctx, batches[0])
-    regs = regions(ctx, costs)
+    regs = regions(ctx, costs, wide_units(ctx))
     details = {"budget": budget.to_dict(), "regions": len(regs), "batches": len(batches),
                "compute_share_approximate": approximate,
                "generated_inputs": ctx.report.get("calibration", {}).get("source") == "generated inputs"}
@@ -236,6 +329,8 @@ def run(ctx) -> PassResult:
     shaken = [perturbed(b) for b in batches[:1]]
     s = _Search(ctx, regs, costs, Switchable(ctx, regs), budget, batches + shaken, refs + _run_fp32(ctx, shaken), t0)
     every = list(range(len(batches) + len(shaken)))
+    if s.start:
+        s.loud = _loud_reference(ctx, batches[0], details)
     try:
         fp32 = _search(s, details, every, len(batches))
         final = s.error(fp32, every)
@@ -269,24 +364,63 @@ def run(ctx) -> PassResult:
 
 
 def _search(s: _Search, details: dict, every: list, real: int) -> frozenset:
-    """Steps 3-8 on the batches `every` (the first `real` are calibration batches, the
+    """Steps 3-9 on the batches `every` (the first `real` are calibration batches, the
     rest perturbed copies): the FP32 units of the plan found. The plan is chosen on all
-    calibration batches but the last, and must then also hold on the held-out ones: the
-    last calibration batch and the perturbed copies."""
+    calibration batches but the last; the last and the perturbed copies are held out, and
+    how much larger its error is there (the margin) is how far unseen inputs may take a
+    plan chosen to fit the batches it saw, so the final plan keeps its error on every batch
+    within min(1, UNSEEN / margin) (within the budget, and within UNSEEN x the budget once
+    grown by the margin); where it is over that, steps 5-7 run again on every batch with
+    that limit. The static plan is chosen on no batch: it is judged on every batch as it
+    is. Then the wide range-rule regions go back to FP16 where the plan stays within the
+    limit."""
     search_on = every[:real - 1] if real > 1 else every[:1]
     held_out = [i for i in every if i not in search_on]
-    details["error_static_plan"] = s.error(frozenset(), every)
-    fp32 = frozenset()
-    if details["error_static_plan"] > 1:
+    details["error_static_plan"] = s.error(s.start, every)
+    fp32 = s.start
+    if details["error_static_plan"] > 1 or (s.start and s.error(frozenset(), every) > 1):
+        # over budget, or wide regions that do not all fit in FP16: choose, wide regions included
         s.sensitivities(search_on)
-        fp32 = s.select(search_on)
+        chosen = s.select(search_on)
         if held_out:
             s.stage = "checking the held-out batches"
-            details["held_out_error"] = s.error(fp32, held_out)
-            details["refit_on_all_batches"] = details["held_out_error"] > 1
-            if details["refit_on_all_batches"]:  # too tight for unseen data: select again on every batch
-                fp32 = s.select(every, start=s.prefix)
-    return fp32
+            details["held_out_error"] = s.error(chosen, held_out)
+            details["margin"] = s.margin(chosen, search_on, held_out)
+            s.limit = details["limit"] = min(1.0, UNSEEN / details["margin"])
+            details["refit_on_all_batches"] = s.error(chosen, every) > s.limit
+            if details["refit_on_all_batches"]:  # too tight for unseen data: select again on every batch,
+                s.rank_again(max(every, key=lambda i: (s.error(chosen, [i]), -i)), search_on[0])
+                chosen = s.select(every)
+        if details["error_static_plan"] > 1 or s.plan_price(chosen) < s.plan_price(s.start):
+            fp32 = chosen
+        else:  # the static plan (chosen on no batch) is cheaper: kept, its wide regions tried one by one
+            s.limit = 1.0
+            for k in ("held_out_error", "margin", "limit", "refit_on_all_batches"):
+                details.pop(k, None)
+    elif s.start:
+        fp32 = frozenset()  # every wide region fits in FP16 at once
+    return s.give_back_wide(fp32, every)
+
+
+def _loud_reference(ctx, batch: dict, details: dict):
+    """(the batch x LOUD, the FP32 model's outputs on it), or None with the reason in
+    details["overflow_check"] when the FP32 model cannot run on it (wide regions then stay
+    FP32: their headroom cannot be measured)."""
+    loud = louder(batch)
+    try:
+        return loud, _run_fp32(ctx, [loud])[0]
+    except Exception as e:  # noqa: BLE001 - the model's own limit, not the user's mistake
+        details["overflow_check"] = (f"the FP32 model did not run on the first batch x{LOUD:g} ({first_line(e)}): "
+                                     "nodes the range rule keeps FP32 past 4094 stay FP32")
+        ctx.warn(details["overflow_check"])
+        return None
+
+
+def louder(batch: dict) -> dict:
+    """A copy of the batch with every float input x LOUD (the overflow check of wide
+    range-rule regions: louder audio, higher-contrast pixels)."""
+    return {k: (v * v.dtype.type(LOUD)).astype(v.dtype) if isinstance(v, np.ndarray) and v.dtype.kind == "f" else v
+            for k, v in batch.items()}
 
 
 def perturbed(batch: dict) -> dict:
@@ -352,6 +486,9 @@ def _apply_plan(ctx, s: _Search, fp32: frozenset):
         parts = [p for p in (0, 1) if 2 * k + p in fp32 and r.parts()[p]]
         if not parts:
             continue
+        if r.wide:  # the range rule's verdict stands, with what the search measured
+            _keep_range_rule(ctx, r)
+            continue
         nodes = [n for p in parts for n in r.parts()[p]]
         cost = sum(s.costs.get(n.name, 0.0) for n in nodes) or (r.cost if parts == [0, 1] else 0.0)
         weights = sum(_weight_bytes(ctx, n.graph, n) for n in nodes)
@@ -369,6 +506,22 @@ def _apply_plan(ctx, s: _Search, fp32: frozenset):
                       "error_alone": r.error_alone, "compute_share": cost / total_cost,
                       "weight_share": weights / total_weights})
     return moved, kept_cost
+
+
+def _keep_range_rule(ctx, r):
+    """A wide region the search did not give back: FP32, its range-rule nodes with the
+    rule's reason and the error the plan had with the region in FP16 (when it was tried);
+    the nodes paint lowered only beside them (regions.wide_units) as paint leaves them."""
+    tried = (f"in FP16 it overflows (inf) on the calibration batches, or errs over {UNSEEN:g}x the budget on the "
+             f"first one x{LOUD:g}"
+             if r.error_fp16 == float("inf") else
+             f"in FP16 the plan gave {r.error_fp16:.3g} x the budget" if r.error_fp16 is not None else
+             "not tried in FP16")
+    for n in r.nodes:
+        ctx.lowered.discard(n)
+        if n in ctx.range_candidates:
+            ctx.info[n].cls = "fp32"
+            ctx.info[n].reason = f"{ctx.range_candidates[n]}; --max-error search: {tried}"
 
 
 def verify(ctx) -> PassResult:
