@@ -118,6 +118,9 @@ def parse_shapes(spec) -> dict:
     if isinstance(spec, dict):
         return {str(k): tuple(int(d) for d in v) for k, v in spec.items()}
     items = spec.split(",") if isinstance(spec, str) else [p for s in spec for p in str(s).split(",")]
+    if not any(i.strip() for i in items):  # --shapes '' or ',': a mistake, not "no shapes"
+        raise GraphmpError("--shapes: no NAME:DIMS given; leave --shapes out, or give e.g. "
+                           "input_ids:8x128,attention_mask:8x128")
     out = {}
     for item in (i.strip() for i in items):
         if not item:

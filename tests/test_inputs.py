@@ -110,6 +110,13 @@ def test_parse_shapes_trtexec_syntax():
     assert parse_shapes("x:1x3x640x640,mask:1x640") == {"x": (1, 3, 640, 640), "mask": (1, 640)}
     assert parse_shapes("sr:") == {"sr": ()}
     assert parse_shapes("ns:input:0:2x4") == {"ns:input:0": (2, 4)}
+    assert parse_shapes(None) == {} and parse_shapes({}) == {}  # no --shapes: nothing given
+
+
+@pytest.mark.parametrize("spec", ["", ",", " , "])
+def test_an_empty_shapes_string_is_a_mistake_not_no_shapes(spec):
+    with pytest.raises(GraphmpError, match="no NAME:DIMS given"):
+        parse_shapes(spec)
 
 
 def test_rebatch_touches_only_batch_dims():
