@@ -178,3 +178,19 @@ def test_a_data_parallel_run_refuses_a_world_size_mismatch_before_starting_ranks
     assert summary["first_step_backoff"]["tries"] >= 1 and summary["updates"] - summary["skipped"] >= 1
     assert json.loads((run / "checkpoint.json").read_text())["step"] == 6
     assert summary["loss_curve"] in os.listdir(run)
+
+
+def test_train_graph_names_a_guessed_class_axis_as_a_warning(tmp_path):
+    """A tagger's [b, t, 7] output: cross-entropy's default class axis (1, torch's) is the
+    symbolic t. train-graph builds it, and says so as a warning line naming --class-axis -1."""
+    from onnx import TensorProto, helper, numpy_helper
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 7)).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["logits"])], "tagger",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", 4])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "t", 7])], [w])
+    src = tmp_path / "tagger.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), src)
+    res = _cli("train-graph", src, "-o", tmp_path / "run", "--loss", "cross-entropy", "--shapes", "x:2x5x4")
+    assert res.returncode == 0, res.stderr
+    warned = [x for x in res.stderr.splitlines() if "as the class axis" in x]
+    assert len(warned) == 1 and warned[0].startswith("warning: ") and "--class-axis -1" in warned[0], res.stderr

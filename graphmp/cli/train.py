@@ -259,7 +259,7 @@ def run_train_graph(args) -> int:
 def _say_built(meta: dict, output: str) -> None:
     """What train-graph built: its warnings, what it did to the model, the step's interface."""
     for w in meta["warnings"]:
-        print(w, file=sys.stderr)
+        print(f"warning: {w}", file=sys.stderr)
     lifted = [w for w in meta["weights"] if w in meta["constant_weights"]]
     if lifted:
         print(f"{len(lifted)} trainable tensors were stored as Constant nodes; they are trained as parameters "
