@@ -206,3 +206,16 @@ def test_generated_token_ids_cover_the_embedding_table():
     assert reasons.get("out", "").startswith("range:"), reasons  # |h| reaches ~1e4 on row 5
     ids = np.full((1, 4), 5, np.int32)
     assert np.isfinite(run_reference(rep.model, {"ids": ids})["y"]).all()
+
+
+def test_shapes_beside_calibration_data_are_said_to_be_unused(tmp_path, capsys):
+    """--shapes sizes generated inputs; with --calibration batches it was ignored without a word."""
+    from graphmp.cli import main
+    resnet = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny", "resnet.onnx")
+    np.savez(tmp_path / "pix.npz", pixel_values=np.random.default_rng(0).random((2, 3, 32, 32), np.float32))
+    out = str(tmp_path / "r.onnx")
+    assert main(["convert", resnet, "-o", out, "--calibration", str(tmp_path / "pix.npz"),
+                 "--shapes", "pixel_values:4x3x32x32"]) == 0
+    assert "warning: --shapes is not used: the --calibration batches give the input shapes" in capsys.readouterr().out
+    assert main(["convert", resnet, "-o", out, "--shapes", "pixel_values:4x3x32x32"]) == 0
+    assert "--shapes is not used" not in capsys.readouterr().out

@@ -354,6 +354,9 @@ def run(ctx) -> PassResult:
     ctx.batch_outputs = cal.outputs
     if cal.report.get("warning"):
         ctx.warn(f"calibration {cal.report['source']}: {cal.report['warning']}")
+    if ctx.options.shapes and ctx.options.calibration not in (None, "auto", "off"):
+        ctx.warn("--shapes is not used: the --calibration batches give the input shapes (--shapes sizes "
+                 "generated inputs only)")
     if cal.report["source"] == "generated inputs":
         ctx.warn("calibration ran on generated inputs (floats ~N(0,1)): nodes that overflow FP16 only on larger real "
                  "inputs (int16-scale audio, 0-255 pixels, unnormalised features) were not found; for a model fed "
