@@ -417,19 +417,9 @@ class _Loop:
     def _write_run_files(self, summary: dict) -> None:
         """Rank 0, after the last checkpoint: the whole run's loss curve and summary.json, as the
         single process writes them, so the run folder describes the run that just ended."""
-        from .loop import LOSS_PNG
-        from .runfiles import writing
-        from .plot import write_loss_png
-        from ..save import write_json
-        run_dir, done = self.job.run_dir, f"the run's checkpoint (step {self.step}) is complete"
-        with writing(os.path.join(run_dir, LOSS_PNG), "the loss curve", done):
-            curve, _ = write_loss_png(os.path.join(run_dir, LOSS_PNG), self.run_loss,
-                                      [(e["step"], e["loss"]) for e in self.evals],
-                                      title=f"{os.path.basename(os.path.abspath(run_dir))}: loss "
-                                            f"({self.job.meta['config']['precision']}, {self.job.n} ranks)")
-        summary["loss_curve"] = os.path.basename(curve)
-        with writing(os.path.join(run_dir, "summary.json"), "the summary", done):
-            write_json(os.path.join(run_dir, "summary.json"), summary)
+        from .loop import write_run_files
+        write_run_files(self.job.run_dir, self.step, self.run_loss, self.evals,
+                        f"{self.job.meta['config']['precision']}, {self.job.n} ranks", summary)
 
     def _summary(self, seconds: float) -> dict:
         windows = max(1, len(self.losses))

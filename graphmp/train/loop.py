@@ -390,23 +390,31 @@ def _summary(r: _Run, d: _Data, state: dict, note) -> dict:
     }
 
 
+def write_run_files(run_dir: str, step: int, train_loss, evals: list, what: str, summary: dict) -> str | None:
+    """After the run's last checkpoint (at `step`): the whole run's loss curve (loss.png; loss.csv
+    without matplotlib) and summary.json (its "loss_curve" set to the file written), each
+    atomically. what: the title's parenthesis (the precision, and the ranks of a data-parallel
+    run). Returns the hint line to print when matplotlib is missing, else None."""
+    done = f"the run's checkpoint (step {step}) is complete"
+    with writing(os.path.join(run_dir, LOSS_PNG), "the loss curve", done):
+        curve, hint = write_loss_png(os.path.join(run_dir, LOSS_PNG), train_loss,
+                                     [(e["step"], e["loss"]) for e in evals],
+                                     title=f"{os.path.basename(os.path.abspath(run_dir))}: loss ({what})")
+    summary["loss_curve"] = os.path.basename(curve)  # loss.csv without matplotlib
+    with writing(os.path.join(run_dir, "summary.json"), "the summary", done):
+        write_json(os.path.join(run_dir, "summary.json"), summary)
+    return hint
+
+
 def _finish(r: _Run, d: _Data, note, progress: bool) -> TrainResult:
     """The last checkpoint, then the whole run's loss curve (loss.png; loss.csv and a hint line
     without matplotlib) and summary.json."""
     r.checkpoint()
     state = r.runner.state_numpy()
     summary = _summary(r, d, state, note)
-    run_dir, precision = r.run_dir, r.meta["config"]["precision"]
-    done = f"the run's checkpoint (step {r.pos['step']}) is complete"
-    with writing(os.path.join(run_dir, LOSS_PNG), "the loss curve", done):
-        curve, hint = write_loss_png(os.path.join(run_dir, LOSS_PNG), r.run_loss,
-                                     [(e["step"], e["loss"]) for e in r.run_eval],
-                                     title=f"{os.path.basename(os.path.abspath(run_dir))}: loss ({precision})")
-    summary["loss_curve"] = os.path.basename(curve)  # loss.csv without matplotlib
+    hint = write_run_files(r.run_dir, r.pos["step"], r.run_loss, r.run_eval, r.meta["config"]["precision"], summary)
     if hint and progress:  # a line after the closed progress line, on its stream
         sys.stderr.write(hint + "\n")
-    with writing(os.path.join(run_dir, "summary.json"), "the summary", done):
-        write_json(os.path.join(run_dir, "summary.json"), summary)
     return TrainResult(summary, r.history, state)
 
 
