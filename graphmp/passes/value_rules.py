@@ -29,15 +29,12 @@ from __future__ import annotations
 
 import math
 
-from onnx import TensorProto
-
 from .. import policy
 from ..context import FLOAT
+from ..input_roles import INT_ELEMS  # the integer element types
 
 PERIODIC_OPS = frozenset({"Sin", "Cos"})
 ROUNDING_OPS = frozenset({"Round", "Floor", "Ceil"})
-INT_TYPES = frozenset({TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8,
-                       TensorProto.UINT64, TensorProto.UINT32, TensorProto.UINT16, TensorProto.UINT8})
 # FP32 where FP16's spacing at the argument is >= 2^-10 of the period 2*pi: spacing(|x|) is
 # 2^(floor(log2 |x|) - 10), so from |x| = 8 (8 = the power of two above 2*pi).
 PERIODIC_FRACTION = 2.0 ** -10
@@ -115,7 +112,7 @@ def rounded_reasons(ctx, g) -> dict:
     for n in g.nodes:
         if n.domain not in ("", "ai.onnx") or not n.inputs or ctx.type_of(g, n.inputs[0]) != FLOAT:
             continue
-        if n.op_type == "Cast" and n.attr("to") in INT_TYPES:
+        if n.op_type == "Cast" and n.attr("to") in INT_ELEMS:
             what = "Cast to an integer"
         elif n.op_type in ROUNDING_OPS:
             what = n.op_type
