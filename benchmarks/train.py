@@ -31,6 +31,7 @@ CUDA AMP; the `targets` section of the JSON checks both).
 Usage:
   python benchmarks/train.py [--device auto|cpu|cuda] [--steps 30] [--warmup 5] [--models cnn,block]
                              [--tiny] [--json benchmarks/results/train.json] [--no-curves] [--work DIR]
+                             [--build-only | --reuse]
 Models (torch needed to export them; without torch only `tiny-cnn`, built with onnx.helper):
   cnn        tests/fixtures/torch_models.CNN(cin=3, width=32, size=32, classes=10), batch 64 of 3x32x32
   block      tests/fixtures/torch_models.Block(d=128, heads=4, classes=10), batch 32 of 64 tokens x 128
@@ -367,6 +368,12 @@ def _prepare_models(names, work, tiny):
     return paths
 
 
+def _exported(name: str, spec: dict, work: str) -> bool:
+    """Whether work/ holds name's export (and its torch weights, for a torch model)."""
+    files = [f"{name}.onnx"] + ([f"{name}.pt"] if spec["kind"] == "torch" else [])
+    return all(os.path.isfile(os.path.join(work, f)) for f in files)
+
+
 def child_env(environ=None) -> dict:
     """The children's environment: the repo PREPENDED to PYTHONPATH (never replacing it,
     so packages reachable only through the caller's PYTHONPATH, e.g. onnxruntime-gpu
@@ -434,7 +441,7 @@ def _usage_error(msg: str):
 def plan(args, torch_ok: bool, torch_cuda: bool, ort_cuda: bool) -> tuple[list, list]:
     """(model names, [(engine, precision)]) for this run; exits 2 for an explicit
     --device cuda that cannot run, or a model that needs torch without it."""
-    if args.device == "cuda" and not ort_cuda:
+    if args.device == "cuda" and not ort_cuda and not getattr(args, "build_only", False):
         from graphmp.train.device import providers_for
         try:
             providers_for("cuda")
@@ -496,6 +503,10 @@ def main(argv=None):
     ap.add_argument("--no-curves", action="store_true")
     ap.add_argument("--work", help="folder for the exported models and the step run folders <model>-<precision> "
                     "(default: a new temporary folder)")
+    ap.add_argument("--build-only", action="store_true", help="export the models and build their step graphs "
+                    "into --work, then stop (no rows; needs no GPU: a GPU session can build while it waits)")
+    ap.add_argument("--reuse", action="store_true", help="with --work: use the exported models and run folders "
+                    "already there (a finished build: train.json written) instead of building them again")
     ap.add_argument("--one", nargs=4, metavar=("MODEL", "ENGINE", "PRECISION", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -515,11 +526,14 @@ def main(argv=None):
     if torch_ok:
         import torch
         torch_cuda = torch.cuda.is_available()
+    if (args.build_only or args.reuse) and not args.work:
+        _usage_error("--build-only and --reuse need --work DIR (the folder the builds go to / come from)")
     names, engines = plan(args, torch_ok, torch_cuda, cuda_available())
     specs = model_specs(args.tiny)
     work = args.work or tempfile.mkdtemp(prefix="graphmp-bench-train-")
     os.makedirs(work, exist_ok=True)
-    paths = _prepare_models(names, work, args.tiny)
+    fresh = [n for n in names if not (args.reuse and _exported(n, specs[n], work))]
+    paths = {**{n: os.path.join(work, f"{n}.onnx") for n in names}, **_prepare_models(fresh, work, args.tiny)}
     out = {"host": platform.node(), "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
            "device": args.device, "tiny": args.tiny, "steps": args.steps, "warmup": args.warmup,
            "optimizer": f"adamw lr {LR:g}",
@@ -540,10 +554,17 @@ def main(argv=None):
         for prec in ("fp32", "mixed"):
             run_dirs[prec] = os.path.join(work, f"{name}-{prec}")
             t0 = time.perf_counter()
-            meta = build_step(paths[name], run_dirs[prec], precision=prec, optimizer="adamw", lr=LR,
-                              force=bool(args.work))
-            out.setdefault("build_seconds", {})[f"{name}-{prec}"] = round(time.perf_counter() - t0, 2)
+            if args.reuse and name not in fresh and os.path.isfile(os.path.join(run_dirs[prec], "train.json")):
+                from graphmp.train.loop import load_run
+                meta = load_run(run_dirs[prec])
+            else:
+                meta = build_step(paths[name], run_dirs[prec], precision=prec, optimizer="adamw", lr=LR,
+                                  force=bool(args.work))
+                out.setdefault("build_seconds", {})[f"{name}-{prec}"] = round(time.perf_counter() - t0, 2)
             out.setdefault("step_graph_nodes", {})[f"{name}-{prec}"] = meta["nodes"]["total"]
+        if args.build_only:
+            print(f"  {name}: built {', '.join(run_dirs.values())}", flush=True)
+            continue
         for engine, prec in engines:
             if name in GPU_SIZED and not args.tiny and engine not in CUDA_ENGINES:
                 continue  # a BERT-base / ResNet-50 b32 step on the CPU takes minutes: GPU rows only
@@ -558,6 +579,8 @@ def main(argv=None):
                   f"peak RSS {r['peak_rss_mb']:7.1f} MB" + (f"  GPU {r['gpu_mem_mb']:.0f} MB" if r.get("gpu_mem_mb")
                                                             else "") + (f"  NOTE: {r['note']}" if r.get("note") else "")
                   if "median_ms" in r else f"FAILED: {r['error']}"), flush=True)
+    if args.build_only:
+        return 0
     out["targets"] = targets(out["results"])
     if not args.no_curves:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -104,10 +104,20 @@ def test_heldout_tiny_losses_agree(tmp_path):
 def test_train_gpu_dry_run(tmp_path):
     out = tmp_path / "gpu"
     env = dict(os.environ, PYTHON=sys.executable)
-    p = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "train_gpu.sh"), "--dry-run", "--out", str(out)],
+    script = os.path.join(ROOT, "benchmarks", "train_gpu.sh")
+    # as a GPU session runs it: the builds first (while the wheel parts travel), then the timing
+    # run on those builds (--reuse: nothing built again)
+    p = subprocess.run(["bash", script, "--dry-run", "--build-only", "--out", str(out)],
+                       capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert not (out / "train_gpu.json").exists()
+    assert all((out / "runs" / f"{m}-{p}" / "train.json").is_file() for m in ("resnet50", "bert-base")
+               for p in ("fp32", "mixed"))
+    p = subprocess.run(["bash", script, "--dry-run", "--reuse", "--out", str(out)],
                        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     res = json.loads((out / "train_gpu.json").read_text())
+    assert "build_seconds" not in res  # --reuse timed the builds it was given
     rows = {(r["model"], r["engine"], r["precision"]): r for r in res["results"]}
     for model in ("resnet50", "bert-base"):
         for key in (("ort-cpu", "fp32"), ("ort-cpu", "mixed"), ("torch-cpu", "fp32")):
@@ -118,6 +128,13 @@ def test_train_gpu_dry_run(tmp_path):
     assert variants["ort-default"]["median_ms"] > 0 and variants["graphmp"]["median_ms"] > 0
     assert variants["graphmp"]["loss_first"] == variants["ort-default"]["loss_first"]
     assert "--cuda-graph needs" in variants["graphmp-cuda-graph"]["refused"]
+    # the profile: kernel time by phase for every step graph; on the CPU provider no node is
+    # counted as a CPU fallback (that list is for CUDA sessions)
+    prof = {r["run"]: r for r in json.loads((out / "profile.json").read_text())["results"]}
+    assert set(prof) == {f"{m}-{p}" for m in ("resnet50", "bert-base") for p in ("fp32", "mixed")}
+    for r in prof.values():
+        assert r["kernel_ms"] > 0 and {"forward", "backward", "update"} <= set(r["phase_ms"]), r
+        assert r["cpu_nodes_per_step"] == {} and r["launch_blocking"] is True
     audit = json.loads((out / "audit.json").read_text())
     assert set(audit) == {f"{m}-{p}" for m in ("resnet50", "bert-base") for p in ("fp32", "mixed")}
     for name, a in audit.items():

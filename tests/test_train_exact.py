@@ -24,6 +24,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from graphmp.model_runs import cuda_available
 from graphmp.train.autodiff import add_backward
 
 N = helper.make_node
@@ -219,3 +220,33 @@ def test_embedding_sgd_step_matches_torch_with_repeated_ids(tmp_path):
     assert rel <= 2 * torch_rel, f"embedding update {rel:.1e} off (torch FP32: {torch_rel:.1e})"
     for out in outs[1:]:
         assert out["emb.weight" + NEXT].tobytes() == outs[0]["emb.weight" + NEXT].tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs onnxruntime-gpu and a CUDA GPU")
+@pytest.mark.parametrize("op", ["Gather", "GatherElements"])
+def test_scatter_add_gradients_on_cuda_exact_and_the_same_every_run(op):
+    """On ORT CUDA too: the gradient of a gather with thousands of repeated indices is the
+    float64 sum to FP32 rounding, and the same bits on every run (CUDA atomics would add in a
+    different order each time)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((24, 64)).astype(np.float32)
+    if op == "Gather":
+        ids = rng.integers(0, 24, size=(64, 64)).astype(np.int64)
+        r = rng.standard_normal((64, 64, 64)).astype(np.float32)
+        ref = np.zeros(x.shape)
+        np.add.at(ref, ids.reshape(-1), r.reshape(-1, 64).astype(np.float64))
+        node = N("Gather", ["x", "i"], ["y"], axis=0)
+    else:
+        ids = rng.integers(0, 24, size=(4096, 64)).astype(np.int64)
+        r = rng.standard_normal((4096, 64)).astype(np.float32)
+        ref = np.zeros(x.shape)
+        np.add.at(ref, (ids, np.arange(64)[None, :].repeat(4096, 0)), r.astype(np.float64))
+        node = N("GatherElements", ["x", "i"], ["y"], axis=0)
+    model, g = _grad_model([node], x, ids, r)
+    sess = ort.InferenceSession(model, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert sess.get_providers()[0] == "CUDAExecutionProvider"
+    outs = [sess.run([g], {"x": x, "i": ids})[0] for _ in range(RUNS)]
+    np.testing.assert_allclose(outs[0], ref, rtol=0, atol=1e-5 * float(np.abs(ref).max()))
+    for k, o in enumerate(outs):
+        assert o.tobytes() == outs[0].tobytes(), f"CUDA run {k}: not the bits of run 0"
