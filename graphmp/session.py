@@ -1,10 +1,10 @@
 """graphmp.session(path): open a converted model in ONNX Runtime the way it runs fastest.
 
 The converted model carries, in its `graphmp` metadata, the ONNX Runtime CUDA options
-that suit it: `prefer_nhwc=1` when Conv/ConvTranspose run in FP16 (Tensor Core
-convolutions are NHWC kernels; in NCHW, ORT CUDA adds a layout transpose around each,
-measured on one H100 for ResNet-50 FP16 batch 32: 2.89 ms NCHW, 2.11 ms with
-prefer_nhwc). `session()` applies them when the CUDA provider is there, checks with
+that suit it: `prefer_nhwc=1` when convolutions run in FP16 and none is a ConvTranspose
+(Tensor Core convolutions are NHWC kernels; in NCHW, ORT CUDA adds a layout transpose
+around each, measured on one H100 for ResNet-50 FP16 batch 32: 2.89 ms NCHW, 2.11 ms with
+prefer_nhwc; see conv_provider_options for the ConvTranspose exception). `session()` applies them when the CUDA provider is there, checks with
 ran_on() that CUDA really came up (it falls back to the CPU silently), and otherwise
 opens a plain CPU session; `device="cuda"` makes a missing CUDA an error.
 
@@ -38,13 +38,19 @@ def ran_on(sess) -> str:
 TRAINING_CONV_OPTIONS = {"cudnn_conv_algo_search": "EXHAUSTIVE", "cudnn_conv_use_max_workspace": "1"}
 
 
-def conv_provider_options(convs: int, fp16_convs: int, training: bool = False) -> dict:
+def conv_provider_options(convs: int, fp16_convs: int, training: bool = False, fp16_transposed: int = 0) -> dict:
     """The ORT CUDA provider options graphmp asks for, from a graph's Conv/ConvTranspose nodes:
-    `convs` of them, `fp16_convs` computing in FP16. The one rule for converted models
-    (session()) and training steps (graphmp.train.device): prefer_nhwc=1 when any runs in FP16
-    (Tensor Core convolutions are NHWC kernels), and for a training step with convolutions the
-    cuDNN settings of TRAINING_CONV_OPTIONS. Values are strings, as ONNX Runtime takes them."""
-    options = {"prefer_nhwc": "1"} if fp16_convs else {}
+    `convs` of them, `fp16_convs` computing in FP16, `fp16_transposed` of those ConvTranspose.
+    The one rule for converted models (session()) and training steps (graphmp.train.device):
+    prefer_nhwc=1 when any runs in FP16 (Tensor Core convolutions are NHWC kernels) and none of
+    them is a ConvTranspose, and for a training step with convolutions the cuDNN settings of
+    TRAINING_CONV_OPTIONS. Values are strings, as ONNX Runtime takes them.
+
+    Why not with an FP16 ConvTranspose: with prefer_nhwc=1, ONNX Runtime 1.31.1 placed every
+    FP16 ConvTranspose of a mixed ResNet-50 training step (the input gradients, 52 nodes) on
+    the CPU provider: 1670 ms per step on an H200 against 423 ms with ORT's default options
+    (benchmarks/train_session.py)."""
+    options = {"prefer_nhwc": "1"} if fp16_convs and not fp16_transposed else {}
     if training and convs:
         options.update(TRAINING_CONV_OPTIONS)
     return options
@@ -53,7 +59,8 @@ def conv_provider_options(convs: int, fp16_convs: int, training: bool = False) -
 def cuda_options(ctx) -> dict:
     """The ORT CUDA provider options for a conversion (after paint: ctx.lowered)."""
     convs = [n for _, n in ctx.nodes() if n.op_type in CONV_OPS]
-    return conv_provider_options(len(convs), sum(n in ctx.lowered for n in convs))
+    low = [n for n in convs if n in ctx.lowered]
+    return conv_provider_options(len(convs), len(low), fp16_transposed=sum(n.op_type == "ConvTranspose" for n in low))
 
 
 def recorded_options(path) -> dict:

@@ -676,7 +676,7 @@ def test_cuda_state_stays_on_device_and_converges(cnn_path, tmp_path):
     state, _ = latest_state(run)
     r = StepRunner(run, meta, state, providers=providers)
     assert r.bound and r.device == "cuda"
-    assert all(v.device_name() == "cuda" for v in r.bufs[0].values())
+    assert all(v.device_name() == "cuda" for s in r.bindings.sets for v in s.values())
     res = train(run, tm.bars(2048, seed=1), epochs=3, batch_size=32, eval_data=tm.bars(512, seed=2),
                 checkpoint_every=0, progress=False, providers=providers, resume=False)
     # the same run on the CPU provider is the yardstick (this small CNN reaches ~0.87 after 3

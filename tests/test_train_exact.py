@@ -224,11 +224,15 @@ def test_embedding_sgd_step_matches_torch_with_repeated_ids(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs onnxruntime-gpu and a CUDA GPU")
+@pytest.mark.xfail(strict=True, reason="known, open: ORT CUDA's ScatterElements(reduction='add') adds with "
+                   "atomics, so the last bits of a repeated index's sum change from run to run (run 1 differed "
+                   "from run 0 on an H200, onnxruntime-gpu 1.31.1); the sums are exact to FP32 rounding")
 @pytest.mark.parametrize("op", ["Gather", "GatherElements"])
 def test_scatter_add_gradients_on_cuda_exact_and_the_same_every_run(op):
     """On ORT CUDA too: the gradient of a gather with thousands of repeated indices is the
-    float64 sum to FP32 rounding, and the same bits on every run (CUDA atomics would add in a
-    different order each time)."""
+    float64 sum to FP32 rounding, and the same bits on every run. Not yet: see the xfail (the
+    exactness assertion passed there; the bits did not). strict: once a formulation makes the
+    bits repeat on CUDA, this test says so."""
     rng = np.random.default_rng(5)
     x = rng.standard_normal((24, 64)).astype(np.float32)
     if op == "Gather":

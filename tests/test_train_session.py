@@ -48,10 +48,31 @@ def _batches(sizes, seed=3):
 
 # --- provider options -----------------------------------------------------------------------------
 
-def test_step_options_follow_the_precision_of_the_convolutions(cnn_runs):
+def _two_convs():
+    """x [N, 1, 8, 8] -> Conv -> Relu -> Conv -> pool -> Gemm: the second Conv's input gradient
+    is a ConvTranspose in the step graph (the first one's is not needed)."""
+    r = np.random.default_rng(0)
+    inits = {n: r.standard_normal(s) * 0.3 for n, s in (("w1", (4, 1, 3, 3)), ("w2", (4, 4, 3, 3)), ("fc", (3, 4)),
+                                                          ("fcb", (3,)))}
+    mk = onnx.helper.make_node
+    nodes = [mk("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), mk("Relu", ["c1"], ["r1"]),
+             mk("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]), mk("GlobalAveragePool", ["c2"], ["p"]),
+             mk("Flatten", ["p"], ["f"]), mk("Gemm", ["f", "fc", "fcb"], ["logits"], transB=1)]
+    return tm._model(nodes, inits, ["N", 1, 8, 8], ["N", 3], "two_convs")
+
+
+def test_step_options_follow_the_precision_of_the_convolutions(cnn_runs, tmp_path):
     mixed, _ = _step_model(cnn_runs["mixed"])
     fp32, _ = _step_model(cnn_runs["fp32"])
+    assert not any(n.op_type == "ConvTranspose" for n in mixed.graph.node)  # one Conv: no input gradient
     assert step_cuda_options(mixed) == {"prefer_nhwc": "1", **TRAINING_CONV_OPTIONS}  # FP16 convs: NHWC kernels
+    # an FP16 input gradient is a ConvTranspose, which ORT 1.31 ran on the CPU under prefer_nhwc=1
+    # (a mixed ResNet-50 step 4x slower): no NHWC for such a step graph
+    onnx.save(_two_convs(), str(tmp_path / "two.onnx"))
+    build_step(str(tmp_path / "two.onnx"), str(tmp_path / "two"), precision="mixed", optimizer="sgd", lr=0.1)
+    two, _ = _step_model(str(tmp_path / "two"))
+    assert any(n.op_type == "ConvTranspose" for n in two.graph.node)
+    assert step_cuda_options(two) == TRAINING_CONV_OPTIONS
     assert step_cuda_options(fp32) == TRAINING_CONV_OPTIONS                           # FP32 convs: no NHWC
     assert step_cuda_options(fp32, cuda_graph=True) == {**TRAINING_CONV_OPTIONS, "enable_cuda_graph": "1"}
 
@@ -68,6 +89,8 @@ def test_one_rule_for_converted_models_and_training_steps():
     assert conv_provider_options(3, 2) == {"prefer_nhwc": "1"}
     assert conv_provider_options(3, 0) == {}
     assert conv_provider_options(3, 2, training=True) == {"prefer_nhwc": "1", **TRAINING_CONV_OPTIONS}
+    assert conv_provider_options(3, 2, fp16_transposed=1) == {}  # an FP16 ConvTranspose: no NHWC
+    assert conv_provider_options(3, 2, training=True, fp16_transposed=2) == TRAINING_CONV_OPTIONS
     assert conv_provider_options(0, 0, training=True) == {}
 
 
@@ -229,6 +252,7 @@ def test_help_teaches_cuda_graph(capsys):
 
 # --- on a GPU (skipped without onnxruntime's CUDA provider) -----------------------------------------
 
+@pytest.mark.gpu
 @pytest.mark.skipif(CUDA not in ort.get_available_providers(), reason="needs onnxruntime-gpu and a GPU")
 def test_cuda_bound_and_cuda_graph_steps_follow_the_cpu_step(cnn_runs):
     """On CUDA: the session reports the options graphmp chose (prefer_nhwc for the mixed step);

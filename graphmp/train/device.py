@@ -7,8 +7,8 @@ then fails with one line, `device="auto"` goes on on the CPU and says so (the no
 output, the summary and summary.json).
 
 The step session's CUDA provider options are chosen from the step graph (step_providers):
-graphmp.session's one rule for convolutions (prefer_nhwc=1 when any runs in FP16, cuDNN's
-training settings), plus enable_cuda_graph=1 for `--cuda-graph`, which a step graph can take
+graphmp.session's one rule for convolutions (prefer_nhwc=1 when any runs in FP16 and none is
+a ConvTranspose, which a step's input gradients are; cuDNN's training settings), plus enable_cuda_graph=1 for `--cuda-graph`, which a step graph can take
 only when every node runs on CUDA (cuda_graph_blockers says why not, before ONNX Runtime does).
 """
 from __future__ import annotations
@@ -60,13 +60,14 @@ def step_cuda_options(model, cuda_graph: bool = False) -> dict:
     of each Conv/ConvTranspose's input from ONNX shape inference, run only when there are
     convolutions), plus enable_cuda_graph=1 when cuda_graph."""
     convs = [n for n in model.graph.node if n.op_type in CONV_OPS]
-    fp16 = 0
+    low = []
     if convs:
         from onnx import TensorProto
         from .cuda_kernels import _elem_types
         types = _elem_types(model)
-        fp16 = sum(types.get(n.input[0], 0) in (TensorProto.FLOAT16, TensorProto.BFLOAT16) for n in convs)
-    options = conv_provider_options(len(convs), fp16, training=True)
+        low = [n for n in convs if types.get(n.input[0], 0) in (TensorProto.FLOAT16, TensorProto.BFLOAT16)]
+    options = conv_provider_options(len(convs), len(low), training=True,
+                                    fp16_transposed=sum(n.op_type == "ConvTranspose" for n in low))
     if cuda_graph:
         options["enable_cuda_graph"] = "1"
     return options

@@ -11,8 +11,9 @@ weights at once (graphmp.train.flat holds the layout):
               gated by `applied` (optim.optimizer)              step's coefficients keep X as is
     flat__bn_stats__next = Where(finite, Concat(new running statistics), flat__bn_stats)
 The node count of this phase does not grow with the number of weights, except for a Reshape
-(a view, no copy) per tensor that is not 1-D, around the Splits and Concats that unpack and
-pack them.
+(a view, no copy) per tensor around the Splits and Concats that unpack and pack them (and a
+Pad or Slice for a tensor whose size is not a multiple of flat.ALIGN: the buffers are cut
+along rows of ALIGN elements, see graphmp/train/flat.py for why).
 
 The select is one Where on the gradient, then arithmetic: with the gradient 0 on a skipped
 step, coefficients of 1 (kept) and 0 (moved) leave every buffer equal to its input (m * 1 +
@@ -88,8 +89,8 @@ def add_update(model, cfg: dict, loss_t: str, weights: list, bn: dict, grads_sca
     _refuse_reserved(model, path)
     n0 = len(model.graph.node)
     b = Builder(model, prefix=PREFIX)
-    table = fl.layout([(w, shapes[w]) for w in weights])
-    scaled = fl.flatten_concat(b, [grads_scaled[w] for w in weights], [len(shapes[w]) for w in weights])
+    table = fl.layout([(w, shapes[w]) for w in weights], fl.ALIGN)
+    scaled = fl.flatten_concat(b, [grads_scaled[w] for w in weights], table, fl.ALIGN)
     g = b.op("Div", [scaled, st.scale], out=fl.GRAD)
     new, applied, finite, kinds = _update(b, cfg, g, loss_t, st)
     # a moment or accumulation buffer holds w + its suffix at the weight's place
@@ -97,9 +98,9 @@ def add_update(model, cfg: dict, loss_t: str, weights: list, bn: dict, grads_sca
               for name, kind in kinds.items() if kind != "weight"}
     tables[fl.WEIGHTS] = table
     if bn:
-        tables[fl.BN_STATS] = fl.layout([(r, shapes[r]) for r in bn])
+        tables[fl.BN_STATS] = fl.layout([(r, shapes[r]) for r in bn], fl.ALIGN)
         kinds[fl.BN_STATS] = "bn"
-        new[fl.BN_STATS] = fl.flatten_concat(b, list(bn.values()), [len(shapes[r]) for r in bn])
+        new[fl.BN_STATS] = fl.flatten_concat(b, list(bn.values()), tables[fl.BN_STATS], fl.ALIGN)
     for name, kind in kinds.items():
         if kind == "accum":  # accumulate()'s next value already holds the window logic
             b.op("Identity", [new[name]], out=name + NEXT)
@@ -107,7 +108,7 @@ def add_update(model, cfg: dict, loss_t: str, weights: list, bn: dict, grads_sca
             b.op("Where", [finite, new[name], name], out=name + NEXT)
         # weights and moments: the optimizer wrote name + NEXT, gated by its coefficients
     b.op("Where", [applied, new[STEP], STEP], out=STEP + NEXT)
-    size = fl.buffer_size(table)
+    size = fl.buffer_size(table, fl.ALIGN)
     for name, kind in kinds.items():
         if kind in ("moment", "accum"):
             model.graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [size]))
@@ -115,9 +116,9 @@ def add_update(model, cfg: dict, loss_t: str, weights: list, bn: dict, grads_sca
         b.op("Identity", [new[ACCUM_COUNT]], out=ACCUM_COUNT + NEXT)
         model.graph.input.append(helper.make_tensor_value_info(ACCUM_COUNT, TensorProto.INT64, []))
     _set_pairs(st, cfg, weights, list(bn), kinds, tables)
-    fl.add_views(model.graph, fl.WEIGHTS, table, PREFIX)
+    fl.add_views(model.graph, fl.WEIGHTS, table, PREFIX, fl.ALIGN)
     if bn:
-        fl.add_views(model.graph, fl.BN_STATS, tables[fl.BN_STATS], PREFIX)
+        fl.add_views(model.graph, fl.BN_STATS, tables[fl.BN_STATS], PREFIX, fl.ALIGN)
     st.n_update = len(model.graph.node) - n0
 
 
@@ -137,7 +138,8 @@ def _set_pairs(st: State, cfg: dict, weights: list, bn_stats: list, kinds: dict,
         st.pairs += [(SCALE, "scale"), (CLEAN, "counter")]
         st.graph_pairs += [(SCALE, "scale"), (CLEAN, "counter")]
     st.flat = {"state": [{"input": n, "output": n + NEXT, "kind": k} for n, k in st.graph_pairs],
-               "buffers": {n: tables[n] for n, _ in st.graph_pairs if n in tables}, "grad": fl.GRAD}
+               "buffers": {n: tables[n] for n, _ in st.graph_pairs if n in tables}, "grad": fl.GRAD,
+               "align": fl.ALIGN}
 
 
 def _update(b: Builder, cfg: dict, g: str, loss_t: str, st: State):
@@ -202,10 +204,10 @@ def set_outputs(model, loss_t: str, st: State, expose_grads: bool) -> None:
     """Needs the update added (st.flat). Sets the step graph's outputs: loss, all_finite, every
     X__next of the graph's state (in its order), then with expose_grads each <weight>__grad
     (its slice of flat__grad, in its shape)."""
-    buffers = st.flat["buffers"]
+    buffers, align = st.flat["buffers"], st.flat.get("align", 1)
     elem_of = {STEP: TensorProto.INT64, CLEAN: TensorProto.INT64, ACCUM_COUNT: TensorProto.INT64}
     shape_of = {SCALE: []}
-    shape_of.update({n: [fl.buffer_size(t)] for n, t in buffers.items()})
+    shape_of.update({n: [fl.buffer_size(t, align)] for n, t in buffers.items()})
     outputs = [helper.make_tensor_value_info(loss_t, TensorProto.FLOAT, []),
                helper.make_tensor_value_info(FINITE, TensorProto.BOOL, [])]
     outputs += [helper.make_tensor_value_info(name + NEXT, elem_of.get(name, TensorProto.FLOAT),
@@ -213,7 +215,7 @@ def set_outputs(model, loss_t: str, st: State, expose_grads: bool) -> None:
     if expose_grads:
         table = buffers[fl.WEIGHTS]
         grads = [w + GRAD for w, _, _ in table]
-        model.graph.node.extend(fl.split_views(model.graph, fl.GRAD, table, grads, PREFIX))
+        model.graph.node.extend(fl.split_views(model.graph, fl.GRAD, table, grads, PREFIX, align))
         outputs += [helper.make_tensor_value_info(g, TensorProto.FLOAT, shape)
                     for g, (_, _, shape) in zip(grads, table)]
     del model.graph.output[:]
