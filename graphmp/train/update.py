@@ -2,7 +2,7 @@
 
 From the backward's scaled gradients to the step graph's outputs, for the whole set of
 weights at once (graphmp.train.flat holds the layout):
-    flat__grad = Concat(raveled scaled gradients) / S        ONE unscale
+    flat__grad = Concat(raveled scaled gradients) * (1 / S)  ONE unscale
     [accumulation: flat__accum]                               one Add, one Div, one Where
     all_finite = no inf/NaN in flat__grad and the loss        ONE finite check
     [clipping: one global norm]  SGD / AdamW on flat__weights and the flat moments
@@ -91,7 +91,10 @@ def add_update(model, cfg: dict, loss_t: str, weights: list, bn: dict, grads_sca
     b = Builder(model, prefix=PREFIX)
     table = fl.layout([(w, shapes[w]) for w in weights], fl.ALIGN)
     scaled = fl.flatten_concat(b, [grads_scaled[w] for w in weights], table, fl.ALIGN)
-    g = b.op("Div", [scaled, st.scale], out=fl.GRAD)
+    # times 1/S rather than / S: ORT CPU's Div over a whole buffer took 7.3 ms where a Mul takes
+    # 2.5 (ResNet-18, 11.7M weights, 1 thread); for a power-of-two S (every dynamic scale from a
+    # power-of-two start) the two are the same bits
+    g = b.op("Mul", [scaled, b.op("Reciprocal", [st.scale])], out=fl.GRAD)
     new, applied, finite, kinds = _update(b, cfg, g, loss_t, st)
     # a moment or accumulation buffer holds w + its suffix at the weight's place
     tables = {name: [[w + name[len(fl.FLAT):], off, shape] for w, off, shape in table]
