@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import GraphmpError
 from ..session import CONV_OPS, CPU, CUDA, conv_provider_options, ran_on
+from .builder import cone
 DEVICES = ("auto", "cpu", "cuda")
 CONTROL_FLOW = ("If", "Loop", "Scan")
 
@@ -110,7 +111,14 @@ def pin_dims(model, dims: dict):
             if d.dim_param in dims:
                 d.dim_value = int(dims[d.dim_param])  # clears dim_param (a oneof)
     while True:  # a folded Shape can make more shapes static (Reshape to it): again until nothing folds
-        static = _static_shapes(shape_inference.infer_shapes(m, data_prop=True))
+        static = _static_shapes(shape_inference.infer_shapes(m))
+        asked = {n.input[0] for n in m.graph.node if n.op_type in ("Shape", "Size") and n.input[0] not in static}
+        if asked:  # data propagation (a Reshape to computed lengths) on what computes them only
+            try:
+                found = _static_shapes(shape_inference.infer_shapes(cone(m, asked), data_prop=True))
+            except Exception:  # noqa: BLE001 - inference is best effort: what it found folds
+                found = {}
+            static.update({t: found[t] for t in asked if t in found})
         values = {n.output[0]: _shape_or_size(n, static[n.input[0]]) for n in m.graph.node
                   if n.op_type in ("Shape", "Size") and n.input[0] in static}
         if not values:

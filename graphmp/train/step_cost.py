@@ -16,6 +16,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from .builder import cone
+
 GEMM_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 MAX_ROUNDS = 8  # rounds of inference + declared Reshape lengths (_shapes_at)
@@ -50,30 +52,11 @@ def _shapes_at(model: onnx.ModelProto, shapes: dict) -> dict:
     unknown = _unknown_tensors(model, info)
     if unknown and not any(n.op_type == "Range" for n in model.graph.node):
         try:
-            found = _info(onnx.shape_inference.infer_shapes(_cone(pinned, unknown), data_prop=True))
+            found = _info(onnx.shape_inference.infer_shapes(cone(pinned, unknown), data_prop=True))
         except Exception:  # noqa: BLE001 - keep what plain inference gave
             found = {}
         info.update({t: found[t] for t in unknown if _known(found, t)})
     return info
-
-
-def _cone(model: onnx.ModelProto, tensors: set) -> onnx.ModelProto:
-    """The part of `model` that computes `tensors` (their producers and everything upstream),
-    as a model whose outputs they are. Data propagation runs on this alone: on a whole step
-    graph it also evaluated the optimizer's index math over the flat buffers (a BERT-base
-    layer: 9 GB and 11 s for one layer, 24 GB and killed for 12), none of which a GEMM or a
-    Cast shape needs."""
-    producer = {o: n for n in model.graph.node for o in n.output}
-    kept, stack = set(), list(tensors)
-    while stack:
-        n = producer.get(stack.pop())
-        if n is not None and id(n) not in kept:
-            kept.add(id(n))
-            stack.extend(t for t in n.input if t)
-    nodes = [n for n in model.graph.node if id(n) in kept]
-    outputs = [helper.make_tensor_value_info(t, 0, None) for t in sorted(tensors) if t in producer]
-    graph = helper.make_graph(nodes, "cone", list(model.graph.input), outputs, list(model.graph.initializer))
-    return helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
 
 
 def _unknown_tensors(model: onnx.ModelProto, info: dict) -> set:
