@@ -4,9 +4,10 @@ The converted model carries, in its `graphmp` metadata, the ONNX Runtime CUDA op
 that suit it: `prefer_nhwc=1` when convolutions run in FP16 and none is a ConvTranspose
 (Tensor Core convolutions are NHWC kernels; in NCHW, ORT CUDA adds a layout transpose
 around each, measured on one H100 for ResNet-50 FP16 batch 32: 2.89 ms NCHW, 2.11 ms with
-prefer_nhwc; see conv_provider_options for the ConvTranspose exception). `session()` applies them when the CUDA provider is there, checks with
-ran_on() that CUDA really came up (it falls back to the CPU silently), and otherwise
-opens a plain CPU session; `device="cuda"` makes a missing CUDA an error.
+prefer_nhwc; conv_provider_options says why not with a ConvTranspose). `session()` applies
+them when the CUDA provider is there, checks with ran_on() that CUDA really came up (it
+falls back to the CPU silently), and otherwise opens a plain CPU session; `device="cuda"`
+makes a missing CUDA an error.
 
 ran_on(sess) is graphmp's one answer to "which provider does this session run on": every
 place that asks ONNX Runtime for CUDA (check, bench, train, the benchmarks) reads it back.
@@ -60,7 +61,8 @@ def cuda_options(ctx) -> dict:
     """The ORT CUDA provider options for a conversion (after paint: ctx.lowered)."""
     convs = [n for _, n in ctx.nodes() if n.op_type in CONV_OPS]
     low = [n for n in convs if n in ctx.lowered]
-    return conv_provider_options(len(convs), len(low), fp16_transposed=sum(n.op_type == "ConvTranspose" for n in low))
+    return conv_provider_options(len(convs), len(low),
+                                 fp16_transposed=sum(n.op_type == "ConvTranspose" for n in low))
 
 
 def recorded_options(path) -> dict:

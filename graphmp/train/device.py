@@ -8,8 +8,9 @@ output, the summary and summary.json).
 
 The step session's CUDA provider options are chosen from the step graph (step_providers):
 graphmp.session's one rule for convolutions (prefer_nhwc=1 when any runs in FP16 and none is
-a ConvTranspose, which a step's input gradients are; cuDNN's training settings), plus enable_cuda_graph=1 for `--cuda-graph`, which a step graph can take
-only when every node runs on CUDA (cuda_graph_blockers says why not, before ONNX Runtime does).
+a ConvTranspose, which a step's input gradients are; cuDNN's training settings), plus
+enable_cuda_graph=1 for `--cuda-graph`, which a step graph can take only when every node
+runs on CUDA (cuda_graph_blockers says why not, before ONNX Runtime does).
 """
 from __future__ import annotations
 

@@ -162,10 +162,10 @@ def check_flat(flat, bad) -> None:
 
 # --- in the step graph --------------------------------------------------------------------
 
-def add_views(graph, buffer: str, table: list, prefix: str, align: int = 1) -> None:
-    """Makes each tensor of `table` a view of the 1-D FP32 graph input `buffer` (added; the
-    tensors stop being graph inputs): split_views' nodes, put first in the graph so every
-    reader comes after them."""
+def add_views(graph, buffer: str, table: list, prefix: str, align: int) -> None:
+    """Makes each tensor of `table` (laid out at multiples of `align`) a view of the 1-D FP32
+    graph input `buffer` (added; the tensors stop being graph inputs): split_views' nodes, put
+    first in the graph so every reader comes after them."""
     names = {t for t, _, _ in table}
     kept = [v for v in graph.input if v.name not in names]
     del graph.input[:]
@@ -182,32 +182,22 @@ def _const(graph, name: str, values) -> str:
     return name
 
 
-def split_views(graph, flat: str, table: list, outs: list, prefix: str, align: int = 1) -> list:
+def split_views(graph, flat: str, table: list, outs: list, prefix: str, align: int) -> list:
     """The nodes (not added to the graph) that give outs[i] = flat[offset:offset+size] shaped as
-    table[i] (constants as initializers of `graph`). align 1: one Split of the 1-D buffer into
-    the tensors' sizes, a Reshape for each tensor that is not 1-D. align > 1: the buffer seen
-    as [rows, align], one Split along its rows, then per tensor a Reshape to its shape, or
-    (where padding follows it) a Reshape to 1-D and a Slice of its size first."""
+    table[i] (laid out at multiples of `align`; constants as initializers of `graph`): the
+    buffer seen as [rows, align], one Split along its rows, then per tensor a Reshape to its
+    shape, or (where padding follows it) a Reshape to 1-D and a Slice of its size first."""
     base = f"{prefix}/{flat}"
-    if align == 1:
-        sizes = [_size(shape) for _, _, shape in table]
-        source, pieces_of = flat, sizes
-    else:
-        total = buffer_size(table, align)
-        ends = [off for _, off, _ in table[1:]] + [total]
-        pieces_of = [(end - off) // align for (_, off, _), end in zip(table, ends)]
-        source = f"{base}/rows"
-    split = _const(graph, f"{base}/sizes", pieces_of)
-    pieces = [out if align == 1 and len(shape) == 1 else f"{base}/{out}" for out, (_, _, shape) in zip(outs, table)]
-    nodes = []
-    if align != 1:
-        nodes.append(helper.make_node("Reshape", [flat, _const(graph, f"{base}/rows_shape", [-1, align])], [source],
-                                      name=f"{base}/rows/Reshape"))
-    nodes.append(helper.make_node("Split", [source, split], pieces, name=f"{base}/Split", axis=0))
-    for piece, out, rows, (_, _, shape) in zip(pieces, outs, pieces_of, table):
-        if piece == out:
-            continue
-        if align != 1 and rows * align != _size(shape):  # padding after it: cut it off
+    ends = [off for _, off, _ in table[1:]] + [buffer_size(table, align)]
+    rows_of = [(end - off) // align for (_, off, _), end in zip(table, ends)]
+    rows = f"{base}/rows"
+    nodes = [helper.make_node("Reshape", [flat, _const(graph, f"{base}/rows_shape", [-1, align])], [rows],
+                              name=f"{rows}/Reshape"),
+             helper.make_node("Split", [rows, _const(graph, f"{base}/sizes", rows_of)], [f"{base}/{o}" for o in outs],
+                              name=f"{base}/Split", axis=0)]
+    for out, n_rows, (_, _, shape) in zip(outs, rows_of, table):
+        piece = f"{base}/{out}"
+        if n_rows * align != _size(shape):  # padding after it: cut it off
             line = f"{base}/{out}/line"
             nodes.append(helper.make_node("Reshape", [piece, _const(graph, f"{line}/shape", [-1])], [line],
                                           name=f"{line}/Reshape"))
@@ -222,15 +212,10 @@ def split_views(graph, flat: str, table: list, outs: list, prefix: str, align: i
     return nodes
 
 
-def flatten_concat(b, tensors: list, table: list, align: int = 1, out: str | None = None) -> str:
-    """One 1-D tensor laid out as `table` says (b: a Builder; tensors[i] has table[i]'s shape):
-    align 1: each raveled (a Reshape unless 1-D) and all concatenated. align > 1: each as
-    [rows, align] rows (a Pad with zeros where its size is not a multiple of align), one
-    Concat of the rows, raveled."""
-    if align == 1:
-        minus_one = b.const([-1], np.int64) if any(len(s) != 1 for _, _, s in table) else None  # no unused initializer
-        parts = [t if len(shape) == 1 else b.op("Reshape", [t, minus_one]) for t, (_, _, shape) in zip(tensors, table)]
-        return b.op("Concat", parts, out=out, axis=0)
+def flatten_concat(b, tensors: list, table: list, align: int, out: str | None = None) -> str:
+    """One 1-D tensor laid out as `table` says (at multiples of `align`; b: a Builder;
+    tensors[i] has table[i]'s shape): each as [rows, align] rows (a Pad with zeros where its
+    size is not a multiple of align), one Concat of the rows, raveled."""
     rows_shape, minus_one = b.const([-1, align], np.int64), b.const([-1], np.int64)
     parts = []
     for t, (_, _, shape) in zip(tensors, table):

@@ -207,7 +207,7 @@ def set_outputs(model, loss_t: str, st: State, expose_grads: bool) -> None:
     """Needs the update added (st.flat). Sets the step graph's outputs: loss, all_finite, every
     X__next of the graph's state (in its order), then with expose_grads each <weight>__grad
     (its slice of flat__grad, in its shape)."""
-    buffers, align = st.flat["buffers"], st.flat.get("align", 1)
+    buffers, align = st.flat["buffers"], st.flat["align"]
     elem_of = {STEP: TensorProto.INT64, CLEAN: TensorProto.INT64, ACCUM_COUNT: TensorProto.INT64}
     shape_of = {SCALE: []}
     shape_of.update({n: [fl.buffer_size(t, align)] for n, t in buffers.items()})
