@@ -14,18 +14,19 @@ those arrays: eval, export, resume and older run folders read them unchanged) an
                                                             and the scale, which stay scalars),
              "buffers": {buffer: [[tensor, offset, shape], ...]},  each tensor's place
              "grad":    the flat unscaled gradient (the data-parallel split cuts there)}
-             "align":   each tensor's offset is a multiple of this many elements, and so is
-                        each buffer's length (absent: 1, run folders built before it)}
+             "align":   the row length A (absent: 1, run folders built before it)}
 A run folder without "flat" (built before flat state) runs with the per-tensor inputs.
 
-Why aligned, padded buffers: inside the graph a buffer is cut into its tensors (a Split) and
-the gradients are joined into flat__grad (a Concat). ONNX Runtime's CUDA Split and Concat fill
-a host-side table with one entry per element of the split/concatenated axis and copy it to the
-GPU on every run: over a 1-D buffer of all the weights that was 230 ms (Split) + 295 ms (Concat)
-of a ResNet-50 step and 640 + 822 ms of a BERT-base step on an H200 (ORT 1.31.1). Seen as
-[rows, ALIGN] the axis is ALIGN times shorter; the padding between tensors (below ALIGN
-elements each, about 0.5% of a ResNet-50 or BERT-base) stays zero: its gradient is zero, so its
-moments and updates are too.
+Why rows: inside the graph a buffer is cut into its tensors (a Split) and the gradients are
+joined into flat__grad (a Concat). ONNX Runtime's CUDA Split and Concat fill a host-side table
+with one entry per element of the split/concatenated axis and copy it to the GPU on every run:
+over a 1-D buffer of all the weights that was 230 ms (Split) + 295 ms (Concat) of a ResNet-50
+step and 640 + 822 ms of a BERT-base step on an H200 (ORT 1.31.1). So a buffer is laid out
+(rows_first, layout) as the tensors whose size is a multiple of A = ALIGN, each at a multiple
+of A, then a tail: the other tensors one after another (biases, normalisation parameters:
+small), padded with zeros to a whole row. Seen as [rows, A], the buffer is split along its
+rows (A times shorter than the buffer), and only the tail is split along its elements. The
+padding stays zero: its gradient is zero, so its moments and updates are too.
 """
 from __future__ import annotations
 
@@ -62,12 +63,20 @@ def _size(shape) -> int:
     return int(np.prod(shape, dtype=np.int64))
 
 
+def rows_first(members: list, align: int) -> list:
+    """[(tensor, shape)] in the order a buffer lays them out: those whose size is a multiple of
+    `align` first, then the others (each group in the given order)."""
+    return sorted(members, key=lambda m: _size(m[1]) % align != 0)
+
+
 def layout(members: list, align: int = 1) -> list:
-    """[[tensor, offset, shape], ...] of tensors packed one after another from [(tensor, shape)],
-    each starting at a multiple of `align` elements."""
+    """[[tensor, offset, shape], ...] of tensors packed one after another from [(tensor, shape)]
+    in the given order: one whose size is a multiple of `align` starts at a multiple of
+    `align`, any other right after the tensor before it (align 1: no gaps at all)."""
     table, offset = [], 0
     for name, shape in members:
-        offset = _round_up(offset, align)
+        if _size(shape) % align == 0:
+            offset = _round_up(offset, align)
         table.append([name, offset, [int(d) for d in shape]])
         offset += _size(shape)
     return table
@@ -182,48 +191,65 @@ def _const(graph, name: str, values) -> str:
     return name
 
 
+def _parts(table: list, align: int) -> tuple:
+    """(rows of each tensor of the row part, the tail's first table index, the tail's length) of
+    a table laid out by layout(rows_first(...), align)."""
+    k = next((i for i, (_, _, shape) in enumerate(table) if _size(shape) % align), len(table))
+    if any(_size(shape) % align == 0 for _, _, shape in table[k:]):
+        raise GraphmpError("internal error: a flat buffer's table does not put its whole rows first (flat.rows_first)")
+    total = buffer_size(table, align)
+    tail_start = table[k][1] if k < len(table) else total
+    ends = [off for _, off, _ in table[1:k]] + [tail_start]
+    return [(end - off) // align for (_, off, _), end in zip(table[:k], ends)], k, total - tail_start
+
+
 def split_views(graph, flat: str, table: list, outs: list, prefix: str, align: int) -> list:
     """The nodes (not added to the graph) that give outs[i] = flat[offset:offset+size] shaped as
-    table[i] (laid out at multiples of `align`; constants as initializers of `graph`): the
-    buffer seen as [rows, align], one Split along its rows, then per tensor a Reshape to its
-    shape, or (where padding follows it) a Reshape to 1-D and a Slice of its size first."""
+    table[i] (a table of layout(rows_first(...), align); constants as initializers of `graph`):
+    the buffer seen as [rows, align] and split along its rows, each whole-row tensor a Reshape
+    of its rows, and the tail (its last rows) raveled and split into its tensors and padding,
+    with a Reshape for each of those that is not 1-D."""
     base = f"{prefix}/{flat}"
-    ends = [off for _, off, _ in table[1:]] + [buffer_size(table, align)]
-    rows_of = [(end - off) // align for (_, off, _), end in zip(table, ends)]
-    rows = f"{base}/rows"
-    nodes = [helper.make_node("Reshape", [flat, _const(graph, f"{base}/rows_shape", [-1, align])], [rows],
-                              name=f"{rows}/Reshape"),
-             helper.make_node("Split", [rows, _const(graph, f"{base}/sizes", rows_of)], [f"{base}/{o}" for o in outs],
-                              name=f"{base}/Split", axis=0)]
-    for out, n_rows, (_, _, shape) in zip(outs, rows_of, table):
-        piece = f"{base}/{out}"
-        if n_rows * align != _size(shape):  # padding after it: cut it off
-            line = f"{base}/{out}/line"
-            nodes.append(helper.make_node("Reshape", [piece, _const(graph, f"{line}/shape", [-1])], [line],
-                                          name=f"{line}/Reshape"))
-            piece = out if len(shape) == 1 else f"{base}/{out}/cut"
-            nodes.append(helper.make_node("Slice", [line, _const(graph, f"{line}/starts", [0]),
-                                                    _const(graph, f"{line}/ends", [_size(shape)])], [piece],
-                                          name=f"{line}/Slice"))
-            if piece == out:
-                continue
-        nodes.append(helper.make_node("Reshape", [piece, _const(graph, f"{base}/{out}/shape", shape)], [out],
-                                      name=f"{base}/{out}/Reshape"))
+    rows_of, k, tail_len = _parts(table, align)
+    tail = f"{base}/tail"
+    row_pieces = [f"{base}/{o}" for o in outs[:k]] + ([tail] if tail_len else [])
+    nodes = [helper.make_node("Reshape", [flat, _const(graph, f"{base}/rows_shape", [-1, align])], [f"{base}/rows"],
+                              name=f"{base}/rows/Reshape"),
+             helper.make_node("Split", [f"{base}/rows", _const(graph, f"{base}/sizes",
+                                                                  rows_of + ([tail_len // align] if tail_len else []))],
+                              row_pieces, name=f"{base}/Split", axis=0)]
+    pieces = list(row_pieces[:k])
+    if tail_len:
+        sizes = [_size(shape) for _, _, shape in table[k:]]
+        pad = [tail_len - sum(sizes)] if tail_len > sum(sizes) else []
+        tail_pieces = [o if len(shape) == 1 else f"{base}/{o}" for o, (_, _, shape) in zip(outs[k:], table[k:])]
+        nodes += [helper.make_node("Reshape", [tail, _const(graph, f"{tail}/shape", [-1])], [f"{tail}/line"],
+                                   name=f"{tail}/Reshape"),
+                  helper.make_node("Split", [f"{tail}/line", _const(graph, f"{tail}/sizes", sizes + pad)],
+                                   tail_pieces + [f"{tail}/padding"] * len(pad), name=f"{tail}/Split", axis=0)]
+        pieces += tail_pieces
+    for piece, out, (_, _, shape) in zip(pieces, outs, table):
+        if piece != out:
+            nodes.append(helper.make_node("Reshape", [piece, _const(graph, f"{base}/{out}/shape", shape)], [out],
+                                          name=f"{base}/{out}/Reshape"))
     return nodes
 
 
 def flatten_concat(b, tensors: list, table: list, align: int, out: str | None = None) -> str:
-    """One 1-D tensor laid out as `table` says (at multiples of `align`; b: a Builder;
-    tensors[i] has table[i]'s shape): each as [rows, align] rows (a Pad with zeros where its
-    size is not a multiple of align), one Concat of the rows, raveled."""
+    """One 1-D tensor laid out as `table` says (a table of layout(rows_first(...), align); b: a
+    Builder; tensors[i] has table[i]'s shape): each whole-row tensor as [rows, align], the
+    others raveled, concatenated with the zero padding and seen as rows, then one Concat of all
+    rows, raveled."""
+    rows_of, k, tail_len = _parts(table, align)
     rows_shape, minus_one = b.const([-1, align], np.int64), b.const([-1], np.int64)
-    parts = []
-    for t, (_, _, shape) in zip(tensors, table):
-        size = _size(shape)
-        if size % align:
-            line = t if len(shape) == 1 else b.op("Reshape", [t, minus_one])
-            t = b.op("Pad", [line, b.const([0, _round_up(size, align) - size], np.int64)])
-        parts.append(b.op("Reshape", [t, rows_shape]))
+    parts = [b.op("Reshape", [t, rows_shape]) for t in tensors[:k]]
+    if tail_len:
+        line = [t if len(shape) == 1 else b.op("Reshape", [t, minus_one]) for t, (_, _, shape) in
+                zip(tensors[k:], table[k:])]
+        pad = tail_len - sum(_size(shape) for _, _, shape in table[k:])
+        if pad:
+            line.append(b.const(np.zeros(pad, np.float32), np.float32))
+        parts.append(b.op("Reshape", [b.op("Concat", line, axis=0), rows_shape]))
     rows = b.op("Concat", parts, axis=0)
     return b.op("Reshape", [rows, minus_one], out=out)
 

@@ -11,9 +11,9 @@ weights at once (graphmp.train.flat holds the layout):
               gated by `applied` (optim.optimizer)              step's coefficients keep X as is
     flat__bn_stats__next = Where(finite, Concat(new running statistics), flat__bn_stats)
 The node count of this phase does not grow with the number of weights, except for a Reshape
-(a view, no copy) per tensor around the Splits and Concats that unpack and pack them (and a
-Pad or Slice for a tensor whose size is not a multiple of flat.ALIGN: the buffers are cut
-along rows of ALIGN elements, see graphmp/train/flat.py for why).
+(a view, no copy) per tensor that is not 1-D around the Splits and Concats that unpack and
+pack them (the buffers are cut along rows of flat.ALIGN elements, with a tail for the tensors
+of other sizes: graphmp/train/flat.py says why).
 
 The select is one Where on the gradient, then arithmetic: with the gradient 0 on a skipped
 step, coefficients of 1 (kept) and 0 (moved) leave every buffer equal to its input (m * 1 +
@@ -89,8 +89,8 @@ def add_update(model, cfg: dict, loss_t: str, weights: list, bn: dict, grads_sca
     _refuse_reserved(model, path)
     n0 = len(model.graph.node)
     b = Builder(model, prefix=PREFIX)
-    table = fl.layout([(w, shapes[w]) for w in weights], fl.ALIGN)
-    scaled = fl.flatten_concat(b, [grads_scaled[w] for w in weights], table, fl.ALIGN)
+    table = fl.layout(fl.rows_first([(w, shapes[w]) for w in weights], fl.ALIGN), fl.ALIGN)
+    scaled = fl.flatten_concat(b, [grads_scaled[w] for w, _, _ in table], table, fl.ALIGN)
     # times 1/S rather than / S: ORT CPU's Div over a whole buffer took 7.3 ms where a Mul takes
     # 2.5 (ResNet-18, 11.7M weights, 1 thread); for a power-of-two S (every dynamic scale from a
     # power-of-two start) the two are the same bits
@@ -101,9 +101,10 @@ def add_update(model, cfg: dict, loss_t: str, weights: list, bn: dict, grads_sca
               for name, kind in kinds.items() if kind != "weight"}
     tables[fl.WEIGHTS] = table
     if bn:
-        tables[fl.BN_STATS] = fl.layout([(r, shapes[r]) for r in bn], fl.ALIGN)
+        tables[fl.BN_STATS] = fl.layout(fl.rows_first([(r, shapes[r]) for r in bn], fl.ALIGN), fl.ALIGN)
         kinds[fl.BN_STATS] = "bn"
-        new[fl.BN_STATS] = fl.flatten_concat(b, list(bn.values()), tables[fl.BN_STATS], fl.ALIGN)
+        new[fl.BN_STATS] = fl.flatten_concat(b, [bn[r] for r, _, _ in tables[fl.BN_STATS]], tables[fl.BN_STATS],
+                                             fl.ALIGN)
     for name, kind in kinds.items():
         if kind == "accum":  # accumulate()'s next value already holds the window logic
             b.op("Identity", [new[name]], out=name + NEXT)
