@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import GraphmpError
 from ..session import CONV_OPS, CPU, CUDA, conv_provider_options, ran_on
+from . import shape_values
 from .builder import cone
 DEVICES = ("auto", "cpu", "cuda")
 CONTROL_FLOW = ("If", "Loop", "Scan")
@@ -112,7 +113,7 @@ def pin_dims(model, dims: dict):
             if d.dim_param in dims:
                 d.dim_value = int(dims[d.dim_param])  # clears dim_param (a oneof)
     while True:  # a folded Shape can make more shapes static (Reshape to it): again until nothing folds
-        static = _static_shapes(shape_inference.infer_shapes(m))
+        static = _static_shapes(shape_values.infer(m))
         asked = {n.input[0] for n in m.graph.node if n.op_type in ("Shape", "Size") and n.input[0] not in static}
         if asked:  # data propagation (a Reshape to computed lengths) on what computes them only
             try:

@@ -22,6 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..errors import GraphmpError
 from ..ir import Names
 from ..opset import default_opset
+from . import shape_values
 
 
 def _dims(vtype) -> list | None:
@@ -39,7 +40,9 @@ def tensor_info(model: onnx.ModelProto) -> dict:
     """{tensor name: (elem_type, dims or None)} from the graph and onnx shape inference."""
     info = {}
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        # with the Reshape lengths onnx's data propagation leaves open (a head length computed
+        # with Div): static shapes keep the gradients in their static forms
+        inferred = shape_values.infer(model, data_prop=True)
     except Exception:  # shape inference is best effort; declared types still count
         inferred = model
     g = inferred.graph

@@ -17,10 +17,10 @@ import onnx
 from onnx import TensorProto, helper
 
 from .builder import cone
+from . import shape_values
 
 GEMM_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 LOW = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
-MAX_ROUNDS = 8  # rounds of inference + declared Reshape lengths (_shapes_at)
 
 
 def _shapes_at(model: onnx.ModelProto, shapes: dict) -> dict:
@@ -33,21 +33,18 @@ def _shapes_at(model: onnx.ModelProto, shapes: dict) -> dict:
                 d.Clear()
                 d.dim_value = int(n)
     del m.graph.value_info[:]
-    # no data_prop: it materialises the int64 tensors the backward computes (index math over
-    # whole activations): 11 s and 13 GB on a ResNet-50 step, and then it failed. What it
-    # gave that matters here, the lengths of Reshape(x, Shape(y)) (a gradient shaped like its
-    # tensor), is declared from y's inferred shape instead, a few rounds until nothing is new.
-    # Where lengths stay unknown even so (a Reshape to a computed Concat), data propagation
-    # runs after all, but only on a graph without Range, whose outputs it materialises.
+    # no data_prop on the whole graph: it materialises the int64 tensors the backward computes
+    # (index math over whole activations): 11 s and 13 GB on a ResNet-50 step, and then it
+    # failed. The Reshape lengths that matter here (Reshape(x, Shape(y)), a gradient shaped
+    # like its tensor; a head length computed from a Shape) come from
+    # shape_values.declare_reshapes instead, a few rounds until nothing is new. Where lengths
+    # stay unknown even so, data propagation runs after all on what computes them (cone), and
+    # only on a graph without Range, whose outputs it materialises.
     pinned = m
-    for _ in range(MAX_ROUNDS):
-        try:
-            m = onnx.shape_inference.infer_shapes(m)
-        except Exception:  # noqa: BLE001 - best effort: what inference gives is counted
-            break
-        info = _info(m)
-        if not _declare_reshapes_to_shapes(m, info):
-            break
+    try:
+        m = shape_values.infer(m)
+    except Exception:  # noqa: BLE001 - best effort: what inference gives is counted
+        pass
     info = _info(m)
     unknown = _unknown_tensors(model, info)
     if unknown and not any(n.op_type == "Range" for n in model.graph.node):
@@ -78,25 +75,6 @@ def _info(m: onnx.ModelProto) -> dict:
         if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
             info.setdefault(n.output[0], (n.attribute[0].t.data_type, list(n.attribute[0].t.dims)))
     return info
-
-
-def _declare_reshapes_to_shapes(m: onnx.ModelProto, info: dict) -> bool:
-    """Declares the output of every Reshape(x, Shape(y)) (Shape without start/end) whose
-    length inference left open as y's dims, where those are known; whether it declared any."""
-    whole_shape = {n.output[0]: n.input[0] for n in m.graph.node if n.op_type == "Shape" and not n.attribute}
-    declared = False
-    for n in m.graph.node:
-        if n.op_type != "Reshape" or n.input[1] not in whole_shape or _known(info, n.output[0]):
-            continue
-        src = _known(info, whole_shape[n.input[1]])
-        et = info.get(n.input[0], (0, None))[0]
-        if src is None or not et:
-            continue
-        for v in [v for v in m.graph.value_info if v.name == n.output[0]]:
-            m.graph.value_info.remove(v)
-        m.graph.value_info.append(helper.make_tensor_value_info(n.output[0], et, src[1]))
-        declared = True
-    return declared
 
 
 def _known(info: dict, t: str):
