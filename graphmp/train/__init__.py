@@ -13,6 +13,7 @@
     update.py     add_update(): the update phase over flat buffers (one unscale, finite check, select, optimizer)
     flat.py       flat state buffers: the packing table, pack()/unpack()/next_state(), the weights' views in the graph
     step_cost.py  precision_cost(): the FP16 share of a step's GEMM FLOPs and its Cast bytes (train.json)
+    shape_values.py  Reshape lengths computed from shapes (d // h) that onnx's inference leaves open
     autodiff.py   add_backward(): gradient nodes for a forward graph, dtype by dtype
     emitter.py    the node Emitter rules are written with, and the rule registry (RULES, ZERO_GRAD, NEEDS_OPSET)
     rules/        one gradient rule per ONNX op, a module per family (docs/training_ops.md lists them);
