@@ -64,7 +64,7 @@ def test_no_guess_where_a_length_is_not_determined():
     assert dims_table(m)["y"][1] == 3 and not isinstance(dims_table(m)["y"][0], int)
     # onnx's placeholders (unk__N) are renamed on every run: two of them are never the same length
     m = onnx.shape_inference.infer_shapes(_reshape_model(["unk__0", 6], [0, 2, 3]))
-    assert declare_reshapes(m, {"x": ["unk__0", 6], "y": [None, 2, 3]}.get) == 0
+    assert declare_reshapes(m, {"x": ["unk__0", 6], "y": [None, 2, 3]}.get) == []
     # all ints: -1 resolved, and the declaration is what ONNX Runtime computes
     m = infer(_reshape_model([4, 6], [-1, 3]))
     assert dims_table(m)["y"] == [8, 3]
@@ -81,3 +81,17 @@ def test_a_torch_attention_step_has_static_gradients_and_pins_for_cuda_graphs(tm
     assert cuda_graph_blockers(pinned, graph_state_names(meta)) == []
     with open(tmp_path / "run" / "train.json") as f:
         assert json.load(f)["nodes"]["total"] == len(step.graph.node)
+
+
+def test_a_slice_of_a_shape_is_followed():
+    """Hugging Face's Conv1D reshapes to x.size()[:-1] + (nf,): a Concat of a Slice of a Shape."""
+    nodes = [N("Shape", ["x"], ["s"]), N("Slice", ["s", "zero", "minus_one"], ["lead"]),
+             N("Concat", ["lead", "nf"], ["target"], axis=0), N("Reshape", ["x2", "target"], ["y"]),
+             N("Relu", ["y"], ["z"])]
+    ints = {"zero": [0], "minus_one": [-1], "nf": [12]}
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 7, 5]),
+                                       helper.make_tensor_value_info("x2", TensorProto.FLOAT, ["N", 84])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in ints.items()])
+    m = infer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9))
+    assert dims_table(m)["y"] == ["N", 7, 12] and dims_table(m)["z"] == ["N", 7, 12]

@@ -3,7 +3,8 @@ arithmetic.
 
 Exporters write a reshape to lengths computed at run time: torch's TorchScript exporter turns
 `q.view(b, t, self.h, c // self.h)` (nanoGPT, most hand-written attention) into
-Reshape(q, Concat(Gather(Shape(x), 0), ..., Div(Gather(Shape(x), 2), h))). onnx's data
+Reshape(q, Concat(Gather(Shape(x), 0), ..., Div(Gather(Shape(x), 2), h))), and Hugging Face's
+Conv1D's `x.size()[:-1] + (nf,)` into a Concat of a Slice of a Shape. onnx's data
 propagation follows Shape, Gather, Concat, Unsqueeze and Add/Sub/Mul, but not Div, so the
 head length, and every shape after it, stays unknown. The training step then takes the slow,
 general forms where a static shape would do (a gradient's unbroadcast axes found at run time
@@ -84,6 +85,14 @@ def _eval(node, vals: dict, dims_of):
             return ins[1][0], [data[i] for i in ins[1][1]]
         except IndexError:
             return None
+    if op == "Slice" and ins[0] is not None and not ins[0][0] and all(v is not None for v in ins[1:]):
+        starts, ends = ins[1][1], ins[2][1]
+        axes = ins[3][1] if len(ins) > 3 and node.input[3] else [0]
+        steps = ins[4][1] if len(ins) > 4 and node.input[4] else [1]
+        if len(starts) == len(ends) == 1 and axes in ([0], [-1]) and steps == [1] and \
+                all(isinstance(v, int) for v in starts + ends):
+            return False, list(ins[0][1])[starts[0]:ends[0]]  # step 1: ONNX clamps as Python does
+        return None
     if op == "Unsqueeze" and ins[0] is not None and ins[0][0]:
         return False, list(ins[0][1])
     if op == "Squeeze" and ins[0] is not None and len(ins[0][1]) == 1:
@@ -130,15 +139,15 @@ def _named(dims):
     return [None if isinstance(d, str) and d.startswith("unk__") else d for d in dims]
 
 
-def declare_reshapes(model, dims_of) -> int:
-    """Adds value_info for the outputs of Reshape nodes of `model` (changed in place) whose
-    lengths the shape arithmetic above determines and `dims_of` (tensor -> [int | str | None]
-    or None: what shape inference knows) does not; returns how many it declared. Call again
-    after shape inference has used them: a declared shape can settle the next Reshape."""
+def declare_reshapes(model, dims_of) -> list:
+    """value_info entries for the outputs of Reshape nodes of `model` whose lengths the shape
+    arithmetic above determines where `dims_of` (tensor -> [int | str | None] or None: what
+    shape inference knows) does not (the model is not changed). A declared shape can settle
+    the next Reshape through inference: infer() runs rounds of both."""
     vals = _const_values(model)
     known_dims, settled = dims_of, {}  # settled: declared in this pass, for the Shapes after them
     dims_of = lambda t: _named(settled.get(t) or known_dims(t))  # noqa: E731
-    declared = 0
+    declared = []
     elem = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.value_info) + list(model.graph.input)}
     outputs = {v.name for v in model.graph.output}
     for node in model.graph.node:
@@ -152,11 +161,8 @@ def declare_reshapes(model, dims_of) -> int:
                 continue  # inference knows it already (or disagrees: leave it be)
             et = elem.get(node.input[0]) or elem.get(node.output[0])
             if dims is not None and et and dims != known:
-                for v in [v for v in model.graph.value_info if v.name == node.output[0]]:
-                    model.graph.value_info.remove(v)
-                model.graph.value_info.append(helper.make_tensor_value_info(node.output[0], et, dims))
+                declared.append(helper.make_tensor_value_info(node.output[0], et, dims))
                 settled[node.output[0]] = dims
-                declared += 1
             continue
         if node.output and node.output[0] not in vals:
             got = _eval(node, vals, dims_of)
@@ -180,10 +186,23 @@ def dims_table(model) -> dict:
 
 def infer(model, data_prop: bool = False) -> onnx.ModelProto:
     """onnx shape inference of `model` (a new model), plus the Reshape lengths declare_reshapes
-    works out, a few rounds until nothing new is declared."""
+    works out, a few rounds until nothing new is declared. Each round infers the model as
+    given plus every declaration so far (not the last round's result, whose placeholder
+    names for unknown lengths would stick)."""
     inferred = onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
-    for _ in range(ROUNDS):
-        if not declare_reshapes(inferred, dims_table(inferred).get):
-            break
-        inferred = onnx.shape_inference.infer_shapes(inferred, data_prop=data_prop)
+    decls = {}
+    original = list(model.graph.value_info)
+    try:
+        for _ in range(ROUNDS):
+            new = {v.name: v for v in declare_reshapes(inferred, dims_table(inferred).get)
+                   if decls.get(v.name) != v}
+            if not new:
+                break
+            decls.update(new)
+            del model.graph.value_info[:]
+            model.graph.value_info.extend([v for v in original if v.name not in decls] + list(decls.values()))
+            inferred = onnx.shape_inference.infer_shapes(model, data_prop=data_prop)
+    finally:
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(original)
     return inferred
