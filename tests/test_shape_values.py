@@ -95,3 +95,26 @@ def test_a_slice_of_a_shape_is_followed():
                           [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in ints.items()])
     m = infer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9))
     assert dims_table(m)["y"] == ["N", 7, 12] and dims_table(m)["z"] == ["N", 7, 12]
+
+
+def test_a_division_that_leaves_a_remainder_is_not_resolved():
+    """ceil(7 / 2) and 7 // 2 differ: a length computed with an inexact Div (then Ceil, Floor or
+    a Cast) stays unknown rather than taking one rounding for the other."""
+    nodes = [N("Shape", ["x"], ["s"]), N("Gather", ["s", "one"], ["n"], axis=0),
+             N("Cast", ["n"], ["nf"], to=TensorProto.FLOAT), N("Div", ["nf", "two_f"], ["h"]),
+             N("Ceil", ["h"], ["c"]), N("Cast", ["c"], ["ci"], to=TensorProto.INT64),
+             N("Unsqueeze", ["ci", "zero"], ["u"]), N("Concat", ["minus_one", "u"], ["target"], axis=0),
+             N("Reshape", ["x2", "target"], ["y"]), N("Relu", ["y"], ["z"])]
+    inits = [numpy_helper.from_array(np.array(1, np.int64), "one"), numpy_helper.from_array(np.array(2.0, np.float32),
+                                                                                           "two_f"),
+             numpy_helper.from_array(np.array([0], np.int64), "zero"),
+             numpy_helper.from_array(np.array([-1], np.int64), "minus_one")]
+    for length, want in ((8, [2, 4]), (7, None)):
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, length]),
+                                           helper.make_tensor_value_info("x2", TensorProto.FLOAT, [8])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)], inits)
+        got = dims_table(infer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)))
+        if want:
+            assert got["y"] == want
+        else:
+            assert got.get("y") is None or not all(isinstance(d, int) for d in got["y"])

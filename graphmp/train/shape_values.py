@@ -26,11 +26,13 @@ from onnx import TensorProto, helper, numpy_helper
 MAX_ELEMS = 16  # a shape tensor: longer int tensors are data, not shapes
 ROUNDS = 8  # declare + inference rounds in infer() (a settled Reshape can settle the next)
 _INTS = (TensorProto.INT64, TensorProto.INT32)
+_FLOATS = (TensorProto.FLOAT, TensorProto.DOUBLE)
 _UNKNOWN = None
 
 
 def _const_values(model) -> dict:
-    """{name: (is_scalar, [int, ...])} of the small integer initializers and Constants."""
+    """{name: (is_scalar, [int, ...])} of the small initializers and Constants holding whole
+    numbers (int, or float like the 2.0 of `n / 2.0`)."""
     out = {}
     tensors = list(model.graph.initializer) + [a.t for n in model.graph.node if n.op_type == "Constant"
                                                for a in n.attribute if a.name == "value"]
@@ -38,14 +40,17 @@ def _const_values(model) -> dict:
                                                          if n.op_type == "Constant" and n.attribute
                                                          and n.attribute[0].name == "value"]
     for name, t in zip(names, tensors):
-        if t.data_type in _INTS and len(t.dims) <= 1 and int(np.prod(t.dims)) <= MAX_ELEMS:
-            out[name] = (len(t.dims) == 0, [int(v) for v in numpy_helper.to_array(t).ravel()])
+        if t.data_type in _INTS + _FLOATS and len(t.dims) <= 1 and int(np.prod(t.dims)) <= MAX_ELEMS:
+            values = numpy_helper.to_array(t).ravel()
+            if np.all(np.isfinite(values)) and np.all(values == np.round(values)):  # 2.0 in `n / 2.0`
+                out[name] = (len(t.dims) == 0, [int(v) for v in values])
     return out
 
 
 def _arith(op: str, a, b):
-    """One element of Add/Sub/Mul/Div on ints (Div truncates, as ONNX's integer Div); a symbol
-    survives only the identities (x + 0, x - 0, x * 1, x / 1)."""
+    """One element of Add/Sub/Mul/Div on ints (Div only where it divides exactly: then integer
+    and float division, floor, ceil and truncation all agree); a symbol survives only the
+    identities (x + 0, x - 0, x * 1, x / 1)."""
     if a is _UNKNOWN or b is _UNKNOWN:
         return _UNKNOWN
     if isinstance(a, int) and isinstance(b, int):
@@ -55,7 +60,7 @@ def _arith(op: str, a, b):
             return a - b
         if op == "Mul":
             return a * b
-        return int(a / b) if b else _UNKNOWN
+        return a // b if b and a % b == 0 else _UNKNOWN
     if isinstance(b, int) and ((op in ("Add", "Sub") and b == 0) or (op in ("Mul", "Div") and b == 1)):
         return a
     if op in ("Add", "Mul") and isinstance(a, int) and ((op == "Add" and a == 0) or (op == "Mul" and a == 1)):
@@ -77,7 +82,7 @@ def _eval(node, vals: dict, dims_of):
         return False, list(dims)[start:end]
     if op in ("Identity", "Floor", "Ceil") and ins[0] is not None:
         return ins[0]
-    if op == "Cast" and ins[0] is not None and attrs.get("to") in _INTS + (TensorProto.FLOAT, TensorProto.DOUBLE):
+    if op == "Cast" and ins[0] is not None and attrs.get("to") in _INTS + _FLOATS:
         return ins[0]
     if op == "Gather" and ins[0] is not None and ins[1] is not None and not ins[0][0] and attrs.get("axis", 0) == 0:
         data = ins[0][1]
