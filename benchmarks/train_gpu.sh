@@ -17,7 +17,8 @@
 # 3. benchmarks/train_session.py on the mixed ResNet-50 b32 step of 2.: the step session's
 #    settings side by side, each variant in its own process, one after the other: ORT's default
 #    CUDA options, graphmp's (prefer_nhwc=1 for FP16 convs, cuDNN EXHAUSTIVE + max workspace),
-#    and graphmp's with --cuda-graph (or the one line that refuses it). -> DIR/train_session.json
+#    and graphmp's with --cuda-graph (or the one line that refuses it). -> DIR/train_session.json;
+#    the same for the mixed BERT-base step -> DIR/train_session_bert.json
 # 4. benchmarks/train_profile_gpu.py on the four step graphs: GPU time by phase, op type and
 #    node (launches blocking, ORT's profiler), and the nodes placed on the CPU. -> DIR/profile.json
 # 5. benchmarks/step_audit.py on the four step graphs at batch 32: nodes by phase, MB moved by
@@ -88,13 +89,17 @@ rc=0
 "$PY" benchmarks/train.py "${device[@]}" --models resnet50,bert-base --steps "$STEPS" --warmup "$WARMUP" \
   --no-curves --json "$OUT/train_gpu.json" --work "$OUT/runs" "${REUSE[@]}" || rc=$?
 if ((rc == 2)); then exit 2; fi
-if [[ -f $OUT/runs/resnet50-mixed/train.json ]]; then
-  "$PY" benchmarks/train_session.py "$OUT/runs/resnet50-mixed" "${session_device[@]}" --steps "$STEPS" \
-    --warmup "$WARMUP" --json "$OUT/train_session.json" || rc=1
-else
-  echo "train_gpu: no $OUT/runs/resnet50-mixed run folder: the session variants are not measured" >&2
-  rc=1
-fi
+for m in resnet50 bert-base; do
+  json=$OUT/train_session.json
+  if [[ $m == bert-base ]]; then json=$OUT/train_session_bert.json; fi
+  if [[ -f $OUT/runs/$m-mixed/train.json ]]; then
+    "$PY" benchmarks/train_session.py "$OUT/runs/$m-mixed" "${session_device[@]}" --steps "$STEPS" \
+      --warmup "$WARMUP" --json "$json" || rc=1
+  else
+    echo "train_gpu: no $OUT/runs/$m-mixed run folder: its session variants are not measured" >&2
+    rc=1
+  fi
+done
 runs=()
 for m in resnet50 bert-base; do
   for p in fp32 mixed; do
@@ -105,5 +110,6 @@ if ((${#runs[@]})); then
   "$PY" benchmarks/train_profile_gpu.py "${runs[@]}" "${profile_device[@]}" --json "$OUT/profile.json" || rc=1
   "$PY" benchmarks/step_audit.py "${runs[@]}" --batch "$BATCH" --json "$OUT/audit.json" || rc=1
 fi
-echo "train_gpu: wrote $OUT/train_gpu.json, $OUT/train_session.json, $OUT/profile.json and $OUT/audit.json"
+echo "train_gpu: wrote $OUT/train_gpu.json, $OUT/train_session.json, $OUT/train_session_bert.json," \
+  "$OUT/profile.json and $OUT/audit.json"
 exit $rc

@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """The step session's settings side by side, on one run folder, in one run (benchmarks/train_gpu.sh
-calls it for the mixed ResNet-50 b32 step that benchmarks/train.py built):
+calls it for the mixed ResNet-50 and BERT-base b32 steps that benchmarks/train.py built):
 
   ort-default         CUDA provider with no options: ONNX Runtime's defaults (prefer_nhwc=0), what
                       graphmp's step session got before it chose options from the step graph
   graphmp             the options graphmp chooses (graphmp.train.device.step_cuda_options:
-                      prefer_nhwc=1 for FP16 convolutions, cuDNN EXHAUSTIVE + max workspace)
+                      prefer_nhwc=1 for FP16 convolutions when none is a ConvTranspose, cuDNN
+                      EXHAUSTIVE + max workspace)
   graphmp-cuda-graph  the same plus --cuda-graph (batch axis pinned, two captured graphs replayed)
 
 Each variant runs in its own process, one after the other (a ResNet-50 b32 step session holds
@@ -40,6 +41,12 @@ TAG = "@@SESSION "
 VARIANTS = ("ort-default", "graphmp", "graphmp-cuda-graph")
 
 
+def _model_of(run_dir: str) -> str:
+    """The model of a run folder of benchmarks/train.py (<model>-<precision>): its batch."""
+    name = os.path.basename(os.path.normpath(run_dir)).rsplit("-", 1)[0]
+    return name if name in train_bench.model_specs(True) else "resnet50"
+
+
 def run_variant(args) -> dict:
     """One variant in this process: the StepRunner it asks for, timed; "refused" when graphmp
     refuses it (one line)."""
@@ -49,7 +56,7 @@ def run_variant(args) -> dict:
     from graphmp.train.runner import StepRunner
     meta = load_run(args.run_dir)
     state, _ = latest_state(args.run_dir)
-    batch = train_bench._batch(train_bench.model_specs(args.tiny)["resnet50"])
+    batch = train_bench._batch(train_bench.model_specs(args.tiny)[_model_of(args.run_dir)])
     cuda = args.device == "cuda"
     providers = {"ort-default": [(CUDA, {}), CPU], "graphmp": [CUDA, CPU],
                  "graphmp-cuda-graph": [CUDA, CPU]}[args.variant] if cuda else [CPU]
@@ -82,7 +89,8 @@ def _child(argv: list, timeout: int = 1200) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dir", help="the run folder of the mixed ResNet-50 step (benchmarks/train.py --work)")
+    ap.add_argument("run_dir", help="a run folder <model>-<precision> of benchmarks/train.py --work (its model "
+                    "gives the batch; the mixed ResNet-50 step by default in train_gpu.sh)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the toy-size ResNet-50 of train.py --tiny (its batch)")
     ap.add_argument("--steps", type=int, default=20)

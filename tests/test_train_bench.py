@@ -128,6 +128,8 @@ def test_train_gpu_dry_run(tmp_path):
     assert variants["ort-default"]["median_ms"] > 0 and variants["graphmp"]["median_ms"] > 0
     assert variants["graphmp"]["loss_first"] == variants["ort-default"]["loss_first"]
     assert "--cuda-graph needs" in variants["graphmp-cuda-graph"]["refused"]
+    bert = json.loads((out / "train_session_bert.json").read_text())["variants"]  # the same for the BERT step
+    assert bert["graphmp"]["median_ms"] > 0 and bert["graphmp"]["loss_first"] == bert["ort-default"]["loss_first"]
     # the profile: kernel time by phase for every step graph; on the CPU provider no node is
     # counted as a CPU fallback (that list is for CUDA sessions)
     prof = {r["run"]: r for r in json.loads((out / "profile.json").read_text())["results"]}
