@@ -133,13 +133,8 @@ def pin_dims(model, dims: dict):
 
 def _static_shapes(model) -> dict:
     """{tensor name: [dims]} of the tensors whose every dim is known (after shape inference)."""
-    g = model.graph
-    out = {t.name: list(t.dims) for t in g.initializer}
-    for v in list(g.input) + list(g.value_info) + list(g.output):
-        t = v.type.tensor_type
-        if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
-            out[v.name] = [d.dim_value for d in t.shape.dim]
-    return out
+    return {name: dims for name, dims in shape_values.dims_table(model).items()
+            if dims is not None and all(isinstance(d, int) for d in dims)}
 
 
 def _shape_or_size(node, shape: list):
