@@ -9,8 +9,9 @@ forms interleaved round by round (only ratios within one run mean anything on a 
 machine); every form's result is compared with the first form's (max abs diff / max |ref|):
   dW   conv (one Conv with batch and channels swapped: the form before the GEMM forms),
        channels_first, per_sample, per_tap (conv_gemm.py), auto (what the rule picks)
-  dX   pad_slice (ConvTranspose without pads, then Pad + Slice to X) vs pads (ConvTranspose
-       with the conv's pads and output_padding)
+  dX   pad_slice (ConvTranspose without pads, then Pad + Slice to X), pads (ConvTranspose
+       with the conv's pads and output_padding), gemm (one MatMul over the batch + col2im,
+       conv_gemm.input_grad_gemm), auto (what the rule picks)
   dB   of A [8, 128, 256] @ B [256, 1024], and dA of A [256, 512] @ B [8, 512, 128]: partials
        (batched MatMul + ReduceSum over the batch) vs flat (one Gemm over the flattened batch)
 
@@ -51,6 +52,8 @@ LAYERS = [
     ("layer2 3x3/2 128", 128, 128, 3, 2, 1, 28, 1),
     ("layer2 down 1x1/2 256->512", 256, 512, 1, 2, 0, 28, 1),
     ("layer3 3x3 256", 256, 256, 3, 1, 1, 7, 1),
+    ("layer4 3x3/2 512", 512, 512, 3, 2, 1, 7, 1),
+    ("layer4 3x3 512", 512, 512, 3, 1, 1, 4, 1),
     ("layer4 1x1 512->2048", 512, 2048, 1, 1, 0, 4, 1),
     ("layer4 1x1 2048->512", 2048, 512, 1, 1, 0, 4, 1),
     ("grouped 3x3 g32 256", 256, 256, 3, 1, 1, 14, 32),
@@ -110,17 +113,24 @@ def dw_models(cin, cout, k, s, p, h, group):
 def dx_models(cin, cout, k, s, p, h, group):
     o = _out(h, k, s, p)
     w = np.random.default_rng(2).standard_normal([cout, cin // group, k, k]).astype(np.float32)
-    winit = numpy_helper.from_array(w, "W")
 
-    def form(static):
+    def form(name):
         def build(em):
-            if not static:  # spatial lengths known only at run time: the Pad + Slice form
+            if name == "pad_slice":  # spatial lengths known only at run time: the Pad + Slice form
                 em.info["X"] = (F32, [BATCH, cin, "h", "w"])
-            return nn._conv_input_grad(em, "dY", "W", "X", [k, k], [s, s], [1, 1], [p] * 4, group)
-        return _emit({"dY": [BATCH, cout, o, o], "X": [BATCH, cin, h, h]}, build, [BATCH, cin, h, h], [winit])
-    feeds = {"X": np.zeros([BATCH, cin, h, h], np.float32),
+            pick = nn.input_grad_form
+            if name != "auto":
+                nn.input_grad_form = lambda shapes: "gemm" if name == "gemm" else None
+            try:
+                return nn._conv_input_grad(em, "dY", "W", "X", [k, k], [s, s], [1, 1], [p] * 4, group)
+            finally:
+                nn.input_grad_form = pick
+        # W a graph input, as in a step (a view of the flat weights): ORT prepacks constant kernels only
+        return _emit({"dY": [BATCH, cout, o, o], "X": [BATCH, cin, h, h], "W": list(w.shape)}, build, [BATCH, cin, h, h])
+    feeds = {"X": np.zeros([BATCH, cin, h, h], np.float32), "W": w,
              "dY": np.random.default_rng(1).standard_normal([BATCH, cout, o, o]).astype(np.float32)}
-    return {"pad_slice": form(False), "pads": form(True)}, feeds, 2.0 * BATCH * o * o * cout * (cin // group) * k * k
+    names = ["pads", "pad_slice"] + (["gemm"] if group == 1 else []) + ["auto"]
+    return {n: form(n) for n in names}, feeds, 2.0 * BATCH * o * o * cout * (cin // group) * k * k
 
 
 def matmul_models(n=8, t=128, k=256, m=1024):
@@ -240,8 +250,6 @@ def main():
             continue
         res[part] = {}
         for name, *shape in layers:
-            if part == "dx" and shape[-1] == 1 and shape[2] == 1 and shape[3] == 1:
-                continue  # 1x1 stride 1: both dX forms are the same ConvTranspose
             models, feeds, flops = make(*shape)
             res[part][name] = time_forms(models, feeds, flops, a.rounds, a.threads)
             print(part, name, json.dumps(res[part][name]), flush=True)

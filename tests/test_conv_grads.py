@@ -1,8 +1,9 @@
 """Convolution and MatMul gradients in their GEMM forms (graphmp/train/rules/conv_gemm.py,
-nn.py, linalg.py): every dW form against finite differences on every Conv / ConvTranspose
-case of test_autodiff, whichever form the shape rule would pick; and the structure that
-makes them fast (no convolution whose kernel is the output map, no Pad/Slice copies of dX,
-no per-batch partials of a MatMul weight gradient, FP32 sums of FP16 partials)."""
+nn.py, linalg.py): every dW form and the GEMM form of dX against finite differences on every
+Conv / ConvTranspose case of test_autodiff, whichever form the shape rule would pick; and the
+structure that makes them fast (no convolution whose kernel is the output map, no Pad/Slice
+copies of dX, dX as one MatMul over the batch for wide convs on small maps, no per-batch
+partials of a MatMul weight gradient, FP32 sums of FP16 partials)."""
 from __future__ import annotations
 
 import numpy as np
@@ -45,6 +46,20 @@ def test_every_weight_grad_form_matches_finite_differences(monkeypatch, case, fo
     else:
         assert ops & {"Gemm", "MatMul"}, ops
         assert case.nodes[0].op_type == "ConvTranspose" or "Conv" not in ops, ops
+    check_gradients(case)
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=[c.id for c in CONV_CASES])
+def test_gemm_input_grad_matches_finite_differences(monkeypatch, case):
+    """dX as MatMul + col2im (conv_gemm.input_grad_gemm) wherever it applies (group 1, static
+    spatial sizes): strides, dilations, asymmetric pads, output rows no window reaches, 1-D
+    and 3-D. A Conv's dX then has no ConvTranspose (a ConvTranspose's dX is a Conv anyway)."""
+    monkeypatch.setattr(nn, "input_grad_form", lambda s: "gemm" if s["group"] == 1 else None)
+    ops = [n.op_type for n in _new_ops(case)]
+    grouped = next((a.i for a in case.nodes[0].attribute if a.name == "group"), 1) != 1
+    if case.nodes[0].op_type == "Conv":
+        assert ("ConvTranspose" in ops) == grouped, ops
+        assert grouped or "MatMul" in ops, ops
     check_gradients(case)
 
 
@@ -121,6 +136,31 @@ def test_fp16_per_sample_partials_are_summed_in_fp32(monkeypatch):
     batch_sums = [n for n in m16.graph.node if n.op_type == "ReduceSum" and n.input[0] != "y2"]
     assert len(batch_sums) == 1 and all(types[n.input[0]] == TensorProto.FLOAT for n in batch_sums)
     np.testing.assert_allclose(gw16, gw32, rtol=2e-2, atol=2e-3 * np.abs(gw32).max())
+
+
+def test_wide_conv_on_a_small_map_has_a_gemm_input_grad_equal_to_conv_transpose(monkeypatch):
+    """The default rule: a 128-channel 3x3 conv on a 4x4 map (ResNet's last stages) gets dX as
+    one MatMul over the batch, no ConvTranspose; a 3-channel one keeps ConvTranspose; the GEMM
+    form's dX equals the ConvTranspose form's (forced) within FP32 rounding, in FP32 and, with
+    the taps summed in FP32, in FP16."""
+    x = _rng("xw").standard_normal((2, 128, 4, 4)).astype(np.float32)
+    narrow = _conv_model([2, 3, 4, 4], (4, 3, 3, 3), pads=[1, 1, 1, 1])
+    m, _, _ = _grads(narrow, x[:, :3], wrt=("x",))
+    assert "ConvTranspose" in [n.op_type for n in m.graph.node]
+    for dtype, tol in ((F32, 1e-5), (F16, 2e-2)):
+        wide = _conv_model(["n", 128, 4, 4], (128, 128, 3, 3), dtype, pads=[1, 1, 1, 1], strides=[1, 1])
+        m, _, (gemm_dx,) = _grads(wide, x, wrt=("x",))
+        new = m.graph.node[len(wide.graph.node):]
+        assert "ConvTranspose" not in [n.op_type for n in new] and [n.op_type for n in new].count("MatMul") == 1
+        if dtype == F16:
+            inferred = onnx.shape_inference.infer_shapes(m)
+            types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+            assert all(types[t] == TensorProto.FLOAT for n in new if n.op_type == "Sum" for t in n.input)
+        with monkeypatch.context() as mp:
+            mp.setattr(nn, "input_grad_form", lambda s: None)
+            m, _, (conv_t_dx,) = _grads(wide, x, wrt=("x",))
+            assert "ConvTranspose" in [n.op_type for n in m.graph.node]
+        np.testing.assert_allclose(gemm_dx, conv_t_dx, rtol=tol, atol=tol * np.abs(conv_t_dx).max())
 
 
 @pytest.mark.parametrize("a_shape,b_shape,flat", [((2, 3, 4), (4, 5), "b"), ((2, 3, 2, 4), (4, 5), "b"),

@@ -23,6 +23,14 @@ over all N x out-positions (the "columns" of im2col). Three layouts are written 
 `weight_grad_form` picks one per shape (see its docstring for the CPU measurements and the
 rule derived from them); shapes the GEMM forms do not fit (a spatial length or a channel
 count known only at run time) keep the convolution form of rules/nn.py.
+
+Input gradient. dX is a ConvTranspose of dY with W (rules/nn.py), except where
+`input_grad_form` picks the GEMM form (`input_grad_gemm`): wide channels on a small map,
+where ONNX Runtime's CPU ConvTranspose, one GEMM per image that re-reads the whole weight,
+ran up to 5x slower than one MatMul over the batch followed by col2im:
+
+    R[n, o, i, t] = sum_c dY[n, c, o] * W[c, i, t]     one MatMul, dY channels-last
+    dX[n, i, o * stride + t * dilation - pad_begin] += R[n, o, i, t]   for every tap t
 """
 from __future__ import annotations
 
@@ -144,6 +152,80 @@ def _dw_per_tap(em: Emitter, inp: str, gout: str, s: dict) -> str:
         per_tap.append(em.unsqueeze(em.op("Gemm", [dy, window], transB=1), [2]))
     stacked = per_tap[0] if len(per_tap) == 1 else em.op("Concat", per_tap, axis=2)
     return em.op("Reshape", [stacked, em.ints([s["cout"], s["cin"]] + s["kernel"])])
+
+
+def input_grad_form(s: dict) -> str | None:
+    """"gemm" where input_grad_gemm beats ConvTranspose for conv_shapes' facts `s`, else None:
+    group 1, at least 128 input and output channels, and at most 16 output positions per
+    image (49 at stride 1).
+
+    Measured on ORT CPU (1.32, 1 thread, FP32, the weight a graph input as in a step), ms,
+    the least of 15-40 runs; ResNet-18 at 64x64 (batch 8) and ResNet-50 at 112x112 (batch 4):
+
+        N  Cin->Cout  map/stride  P    ConvTranspose  gemm
+        8  512->512   2 /1        4    6.04           1.27
+        8  256->512   4 /2        4    2.97           0.60
+        8  256->256   4 /1        16   1.59           0.92
+        8  128->256   8 /2        16   0.78           0.59
+        8  128->128   4 /1        16   0.42           0.30
+        8  64->128    8 /2        16   0.22           0.24
+        8  64->64     4 /1        16   0.12           0.11
+        8  32->64     8 /2        16   0.06           0.12
+        4  512->512   4 /1        16   3.08           2.05
+        8  256->256   7 /1        49   3.51           2.72
+        8  128->128   7 /1        49   0.94           0.82
+        8  64->64     7 /1        49   0.26           0.29
+        4  256->256   14 /2       49   1.75           2.06
+        8  128->128   8 /1        64   0.91           1.01
+        8  64->64     16 /1       256  0.79           1.40
+
+    ConvTranspose loses where each image's GEMM has few columns (P) and the weight it re-reads
+    is large; the col2im's copies (a Pad per tap and their Sum) cost more than that saves on
+    larger maps and narrow layers. On a GPU both are a GEMM and a few small copies."""
+    small = s["positions"] <= 16 or (s["positions"] <= 49 and all(v == 1 for v in s["strides"]))
+    return "gemm" if s["group"] == 1 and min(s["cin"], s["cout"]) >= 128 and small else None
+
+
+def input_grad_gemm(em: Emitter, gout: str, w: str, s: dict) -> str:
+    """dX [N, Cin, *in] of Conv(X, W) (group 1) from dY and W: one MatMul of dY channels-last
+    [N, *outs, Cout] with W as [Cout, Cin * taps] (W read once for the whole batch), then
+    col2im: each tap's [N, *outs, Cin] slice spread by the strides (zeros between), zero-padded
+    to its offset in the padded input, the taps summed, cropped to X and made channels-first.
+    Needs conv_shapes' facts `s`. FP16/BF16 products are summed over the taps in FP32."""
+    sp, cin, outs = s["sp"], s["cin"], s["outs"]
+    rank = 2 + sp
+    dt = em.dtype(gout)
+    acc = dt if dt in (TensorProto.FLOAT, TensorProto.DOUBLE) else TensorProto.FLOAT
+    last = em.transpose(gout, [0] + list(range(2, rank)) + [1])
+    prod = em.op("MatMul", [last, em.op("Reshape", [w, em.ints([s["cout"], cin * s["taps"]])])])
+    prod = em.op("Reshape", [em.cast(prod, acc, dt), em.ints([0] + outs + [cin, s["taps"]])])
+    spread = [o * st for o, st in zip(outs, s["strides"])]
+    begins, ins = s["pads"][:sp], s["in_spatial"]
+    canvas = [max(b + n, (k - 1) * d + L) for b, n, k, d, L in zip(begins, ins, s["kernel"], s["dil"], spread)]
+    parts = []
+    for i, tap in enumerate(_taps(s["kernel"])):
+        part = em.op("Slice", [prod, em.ints([i]), em.ints([i + 1]), em.ints([rank])])
+        part = _spread(em, part, s) if any(v > 1 for v in s["strides"]) else \
+            em.op("Reshape", [part, em.ints([0] + outs + [cin])])
+        at = [t * d for t, d in zip(tap, s["dil"])]
+        after = [c - a - L for c, a, L in zip(canvas, at, spread)]
+        if any(at) or any(after):
+            part = em.op("Pad", [part, em.ints([0] + at + [0, 0] + after + [0])])
+        parts.append(part)
+    total = em.op("Slice", [em.sum(parts), em.ints(begins), em.ints([b + n for b, n in zip(begins, ins)]),
+                            em.ints(range(1, 1 + sp))])
+    return em.cast(em.transpose(total, [0, rank - 1] + list(range(1, rank - 1))), dt, acc)
+
+
+def _spread(em: Emitter, part: str, s: dict) -> str:
+    """A tap's [N, *outs, Cin, 1] slice as [N, *(outs * strides), Cin]: each value at o * stride,
+    zeros between (each spatial axis gets a length-1 axis after it, zero-padded to the stride)."""
+    sp, outs, strides = s["sp"], s["outs"], s["strides"]
+    split = [v for o in outs for v in (o, 1)]
+    part = em.op("Reshape", [part, em.ints([0] + split + [s["cin"]])])
+    ends = [v for st in strides for v in (0, st - 1)]
+    part = em.op("Pad", [part, em.ints([0] * (2 + 2 * sp) + [0] + ends + [0])])
+    return em.op("Reshape", [part, em.ints([0] + [o * st for o, st in zip(outs, strides)] + [s["cin"]])])
 
 
 WEIGHT_GRAD_FORMS = {"channels_first": _dw_channels_first, "per_sample": _dw_per_sample, "per_tap": _dw_per_tap}

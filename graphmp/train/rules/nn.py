@@ -7,7 +7,7 @@ from onnx import TensorProto, helper
 from ...errors import GraphmpError
 from ..emitter import Emitter, attr, rule
 from .common import _count_ratio, _flat_scatter, _inputs, _is_extreme, per_channel_count
-from .conv_gemm import WEIGHT_GRAD_FORMS, conv_shapes, weight_grad_form
+from .conv_gemm import WEIGHT_GRAD_FORMS, conv_shapes, input_grad_form, input_grad_gemm, weight_grad_form
 
 
 # --- convolution and pooling ------------------------------------------------------------------
@@ -42,14 +42,18 @@ def _spatial_attrs(em: Emitter, node, x: str, kernel: list[int]):
 def _conv_input_grad(em: Emitter, gy: str, w: str, x: str, kernel, strides, dil, pads, group) -> str:
     """Adjoint of Conv(X, W) w.r.t. X, shaped like X.
 
-    With X's spatial lengths static: one ConvTranspose of dY with W carrying the conv's own
-    pads and output_padding = (in + pads - dil * (k - 1) - 1) mod stride, the rows of X that
-    no window reached (they get zeros), so its output is X's shape with no copy after it.
+    With X's spatial lengths static: conv_gemm's MatMul + col2im where input_grad_form picks
+    it (wide channels on a small map), else one ConvTranspose of dY with W carrying the conv's
+    own pads and output_padding = (in + pads - dil * (k - 1) - 1) mod stride, the rows of X
+    that no window reached (they get zeros), so its output is X's shape with no copy after it.
     Else (lengths known only at run time, so output_padding is not): ConvTranspose without
     pads (every position), zero-extended and cropped to X's window [pad_begin, +size)."""
     sp = len(strides)
     dims = em.dims(x)
     if dims is not None and len(dims) == 2 + sp and all(isinstance(v, int) for v in dims[2:]):
+        shapes = conv_shapes(em, x, gy, group, kernel, strides, dil, pads)
+        if shapes is not None and input_grad_form(shapes) == "gemm":
+            return input_grad_gemm(em, gy, w, shapes)
         extra = [(n + pads[i] + pads[sp + i] - d * (k - 1) - 1) % s
                  for i, (n, s, d, k) in enumerate(zip(dims[2:], strides, dil, kernel))]
         return em.op("ConvTranspose", [gy, w], strides=strides, dilations=dil, group=group, pads=list(pads),
