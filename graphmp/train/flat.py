@@ -13,7 +13,8 @@ those arrays: eval, export, resume and older run folders read them unchanged) an
                                                             (the buffers, then the counters
                                                             and the scale, which stay scalars),
              "buffers": {buffer: [[tensor, offset, shape], ...]},  each tensor's place
-             "grad":    the flat unscaled gradient (the data-parallel split cuts there)}
+             "grad":    the flat gradient, scaled by the loss scale (the data-parallel
+                        split cuts there)
              "align":   the row length A (absent: 1, run folders built before it)}
 A run folder without "flat" (built before flat state) runs with the per-tensor inputs.
 

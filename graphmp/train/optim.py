@@ -44,13 +44,17 @@ def finite_flag(b: Builder, tensors, out: str | None = None) -> str:
     return b.op("Not", [b.op("IsNaN", [total])], out=out)
 
 
-def clip(b: Builder, grads: dict, max_norm: float) -> dict:
-    """torch.nn.utils.clip_grad_norm_: g *= min(1, max_norm / (||g||_2 + 1e-6)), global norm."""
+def clip_coef(b: Builder, grads: dict, max_norm: float, grad_scale: str | None = None) -> str:
+    """torch.nn.utils.clip_grad_norm_'s factor min(1, max_norm / (||g||_2 + 1e-6)), global norm,
+    as a scalar: the caller folds it into the optimizer's grad_scale rather than making a pass
+    over the gradients. The gradients are grad_scale * grads (grad_scale a scalar, None: 1).
+    NaN when a gradient is not finite (optimizer() gates its grad_scale)."""
     sq = [b.op("ReduceSumSquare", [g], keepdims=0) for g in grads.values()]
     norm = b.op("Sqrt", [sq[0] if len(sq) == 1 else b.op("Sum", sq)])
+    if grad_scale is not None:
+        norm = b.op("Mul", [norm, grad_scale])
     coef = b.op("Div", [b.const(max_norm), b.op("Add", [norm, b.const(1e-6)])])
-    coef = b.op("Min", [coef, b.const(1.0)])
-    return {w: b.op("Mul", [g, coef]) for w, g in grads.items()}
+    return b.op("Min", [coef, b.const(1.0)])
 
 
 def lr_factor(t: float, schedule: str, warmup: int, total: int | None) -> float:
@@ -92,9 +96,12 @@ def _suffixed(w: str, suffix: str) -> str:
 
 
 def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str, applied: str,
-              state_name=_suffixed, out_name=None) -> tuple[dict, dict]:
+              state_name=_suffixed, out_name=None, grad_scale: str | None = None) -> tuple[dict, dict]:
     """Needs {weight tensor: its gradient} (any shapes: per-weight tensors, or one flat buffer),
-    the lr tensor and the new step count as FP32. Returns ({state input: new value}, {moment
+    the lr tensor and the new step count as FP32; each gradient is grad_scale * grads[w]
+    (grad_scale an FP32 scalar tensor, None: 1), so the loss scale's 1 / S and a clipping
+    factor ride on the optimizer's scalar coefficients instead of a pass over the gradients
+    each (ResNet-18's 11.7M weights: 4.3 ms of a 123 ms CPU step for the unscale alone). Returns ({state input: new value}, {moment
     state: the weight it belongs to}); a moment of weight w is named state_name(w, "__momentum"
     | "__exp_avg" | "__exp_avg_sq"), and a new value is written to out_name(state) when that
     gives a name (the graph's output, so no copy follows).
@@ -103,7 +110,8 @@ def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str, app
     with no pass over the state: when it is False every coefficient that moves the state is 0
     and every one that keeps it is 1, so each new value equals its input (m * 1 + 0, w - 0).
     That needs gradients that are 0 where the step is not applied (gated_grads): a NaN
-    gradient times 0 would still be NaN.
+    gradient times 0 would still be NaN; grad_scale is gated here (a NaN clipping factor of a
+    skipped step must not reach the coefficients).
 
     AdamW is torch's w - step_size * m / (sqrt(v) / sqrt(bc2) + eps) with sqrt(bc2) moved into
     the scalars: w - (step_size * sqrt(bc2)) * m / (sqrt(v) + eps * sqrt(bc2)), one pass over
@@ -112,10 +120,13 @@ def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str, app
     wd = cfg["weight_decay"]
     out_name = out_name or (lambda _: None)
     on = b.op("Cast", [applied], to=TensorProto.FLOAT)  # 1.0 / 0.0
+    scale = None if grad_scale is None else b.op("Where", [applied, grad_scale, b.const(0.0)])
 
-    def moving(c):
-        """A coefficient that moves the state: c, or 0 on a skipped step."""
-        return b.op("Mul", [c if isinstance(c, str) else b.const(c), on])
+    def moving(c, scaled=False):
+        """A coefficient that moves the state: c, or 0 on a skipped step; times the gradients'
+        grad_scale when `scaled` (c multiplies a gradient)."""
+        c = b.op("Mul", [c if isinstance(c, str) else b.const(c), on])
+        return b.op("Mul", [c, scale]) if scaled and scale is not None else c
 
     def keeping(c):
         """A coefficient that carries the state over: c, or 1 on a skipped step."""
@@ -124,6 +135,8 @@ def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str, app
     if cfg["optimizer"] == "sgd":
         mom = cfg["momentum"]
         for w, g in grads.items():
+            if scale is not None and (wd or mom):  # the decay and the momentum buffer add to g itself
+                g = b.op("Mul", [g, scale])
             if wd:
                 g = b.op("Add", [g, b.op("Mul", [w, moving(wd)])])
             if mom:
@@ -131,7 +144,7 @@ def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str, app
                 g = b.op("Add", [b.op("Mul", [buf, keeping(mom)]), g], out=out_name(buf))
                 new[buf] = g
                 moments[buf] = w
-            new[w] = b.op("Sub", [w, b.op("Mul", [g, moving(lr)])], out=out_name(w))
+            new[w] = b.op("Sub", [w, b.op("Mul", [g, moving(lr, scaled=not (wd or mom))])], out=out_name(w))
         return new, moments
     b1, b2 = cfg["betas"]
     # bias corrections from the new step count t (as torch: step is incremented first)
@@ -143,9 +156,11 @@ def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str, app
     for w, g in grads.items():
         m, v = state_name(w, "__exp_avg"), state_name(w, "__exp_avg_sq")
         decayed = b.op("Mul", [w, keep]) if wd else w
-        m_new = b.op("Add", [b.op("Mul", [m, keeping(b1)]), b.op("Mul", [g, moving(1.0 - b1)])], out=out_name(m))
-        v_new = b.op("Add", [b.op("Mul", [v, keeping(b2)]),
-                             b.op("Mul", [b.op("Mul", [g, g]), moving(1.0 - b2)])], out=out_name(v))
+        m_new = b.op("Add", [b.op("Mul", [m, keeping(b1)]), b.op("Mul", [g, moving(1.0 - b1, scaled=True)])],
+                     out=out_name(m))
+        # (g * sqrt(1 - b2) * scale)^2, not g * g * ...: a loss-scaled g squared could overflow
+        root = b.op("Mul", [g, moving(float(np.sqrt(1.0 - b2)), scaled=True)])
+        v_new = b.op("Add", [b.op("Mul", [v, keeping(b2)]), b.op("Mul", [root, root])], out=out_name(v))
         denom = b.op("Add", [b.op("Sqrt", [v_new]), eps])
         new[w] = b.op("Sub", [decayed, b.op("Mul", [b.op("Div", [m_new, denom]), alpha])], out=out_name(w))
         new[m], new[v] = m_new, v_new

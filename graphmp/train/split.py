@@ -2,9 +2,10 @@
 each rank runs on its own batch, and an update graph that every rank runs on the gradients
 all ranks reduced.
 
-Both are cut out of the fused step graph at the unscaled FP32 gradient: flat__grad, all
-weights' gradients in one buffer (graphmp.train.flat; a step built before flat state: each
-<weight>__grad), so they compute exactly what the fused step computes:
+Both are cut out of the fused step graph at the FP32 gradient: flat__grad, all weights'
+gradients in one buffer, still scaled by the loss scale S (graphmp.train.flat; every rank
+has the same S, and the update half unscales; a step built before: the unscaled flat
+gradient, or each <weight>__grad), so they compute exactly what the fused step computes:
 
   gradient graph  inputs: the batch, the labels, the weights, BN statistics, the loss
                   scale (dynamic scaling) and the step counter where the loss reads it;

@@ -38,7 +38,7 @@ graph's outputs back into the logical state (loop.StepRunner does both).
 Other inputs: the model's data inputs and `labels`. Other outputs: `loss` (FP32, unscaled,
 the batch mean), `all_finite` (bool: the step was applied; with grad_accum > 1, on the
 runs between updates: this run's gradients were finite), and with expose_grads=True
-`<weight>__grad` (this run's unscaled, unclipped FP32 gradient, a view of flat__grad).
+`<weight>__grad` (this run's unscaled, unclipped FP32 gradient, a view of flat__grad / S).
 
 A skipped step (some gradient inf/NaN) leaves every state tensor unchanged except the
 scale and its counter (and the accumulation window, which restarts); BN running
@@ -410,7 +410,7 @@ def _add_backward(s: _Source, f: _Forward, cfg: dict, expose_grads: bool) -> tup
     missing = [w for w in f.weights if w not in grads_scaled]
     if missing:
         raise GraphmpError(f"{s.path}: no gradient was produced for {missing}")
-    st.scale = scale  # the update unscales the gradients once, all flattened together (update.py)
+    st.scale = scale  # the update unscales the gradients through its scalars (update.py)
     return b, grads_scaled, st
 
 

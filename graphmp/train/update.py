@@ -2,10 +2,12 @@
 
 From the backward's scaled gradients to the step graph's outputs, for the whole set of
 weights at once (graphmp.train.flat holds the layout):
-    flat__grad = Concat(raveled scaled gradients) * (1 / S)  ONE unscale
-    [accumulation: flat__accum]                               one Add, one Div, one Where
+    flat__grad = Concat(raveled gradients, scaled by S)      no pass of its own for 1 / S:
+    [accumulation: flat__accum]  flat__grad * (1 / S) added  the optimizer's scalars carry it
+                                 to it, one Div, one Where
     all_finite = no inf/NaN in flat__grad and the loss        ONE finite check
-    [clipping: one global norm]  SGD / AdamW on flat__weights and the flat moments
+    [clipping: one global norm, a scalar factor]              no pass: the scalars carry it
+    SGD / AdamW on flat__weights and the flat moments:
     g' = Where(applied, g, 0)                                 ONE select, against a scalar
     X__next = the optimizer's new X, its scalar coefficients   no select per buffer: a skipped
               gated by `applied` (optim.optimizer)              step's coefficients keep X as is
@@ -90,11 +92,7 @@ def add_update(model, cfg: dict, loss_t: str, weights: list, bn: dict, grads_sca
     n0 = len(model.graph.node)
     b = Builder(model, prefix=PREFIX)
     table = fl.layout(fl.rows_first([(w, shapes[w]) for w in weights], fl.ALIGN), fl.ALIGN)
-    scaled = fl.flatten_concat(b, [grads_scaled[w] for w, _, _ in table], table, fl.ALIGN)
-    # times 1/S rather than / S: ORT CPU's Div over a whole buffer took 7.3 ms where a Mul takes
-    # 2.5 (ResNet-18, 11.7M weights, 1 thread); for a power-of-two S (every dynamic scale from a
-    # power-of-two start) the two are the same bits
-    g = b.op("Mul", [scaled, b.op("Reciprocal", [st.scale])], out=fl.GRAD)
+    g = fl.flatten_concat(b, [grads_scaled[w] for w, _, _ in table], table, fl.ALIGN, out=fl.GRAD)
     new, applied, finite, kinds = _update(b, cfg, g, loss_t, st)
     # a moment or accumulation buffer holds w + its suffix at the weight's place
     tables = {name: [[w + name[len(fl.FLAT):], off, shape] for w, off, shape in table]
@@ -153,9 +151,16 @@ def _update(b: Builder, cfg: dict, g: str, loss_t: str, st: State):
     them, this run's finite flag (gates BN statistics), {buffer: kind} of the weights, moment
     and accumulation buffers)."""
     n = cfg["grad_accum"]
-    grads = {fl.WEIGHTS: g}
+    # times 1/S rather than / S: ORT CPU's Div over a whole buffer took 7.3 ms where a Mul takes
+    # 2.5 (ResNet-18, 11.7M weights, 1 thread); for a power-of-two S (every dynamic scale from a
+    # power-of-two start) the two are the same bits
+    unscale = b.op("Reciprocal", [st.scale])
     kinds = {fl.WEIGHTS: "weight"}
     nxt = {}
+    if n > 1:  # the window sums unscaled gradients (S may change between windows)
+        g = b.op("Mul", [g, unscale])
+        unscale = None
+    grads = {fl.WEIGHTS: g}
     if n > 1:
         micro_finite = optim.finite_flag(b, [g, loss_t])
         grads, update, nxt = optim.accumulate(b, grads, n, state_name=_flat_name)
@@ -167,12 +172,13 @@ def _update(b: Builder, cfg: dict, g: str, loss_t: str, st: State):
     else:
         applied = micro_finite = optim.finite_flag(b, [g, loss_t], out=FINITE)
     if cfg["clip_norm"] is not None:
-        grads = optim.clip(b, grads, cfg["clip_norm"])
+        coef = optim.clip_coef(b, grads, cfg["clip_norm"], unscale)
+        unscale = coef if unscale is None else b.op("Mul", [coef, unscale])
     step_next = b.op("Add", [STEP, b.const(1, np.int64)])
     lr = optim.lr_tensor(b, cfg, STEP)
     new, moments = optim.optimizer(b, cfg, optim.gated_grads(b, grads, applied), lr,
                                    b.op("Cast", [step_next], to=TensorProto.FLOAT), applied,
-                                   state_name=_flat_name, out_name=lambda state: state + NEXT)
+                                   state_name=_flat_name, out_name=lambda state: state + NEXT, grad_scale=unscale)
     kinds.update({m: "moment" for m in moments})
     new[STEP] = step_next
     new.update(nxt)
@@ -207,7 +213,7 @@ def initial_state(values: dict, st: State, cfg: dict) -> dict:
 def set_outputs(model, loss_t: str, st: State, expose_grads: bool) -> None:
     """Needs the update added (st.flat). Sets the step graph's outputs: loss, all_finite, every
     X__next of the graph's state (in its order), then with expose_grads each <weight>__grad
-    (its slice of flat__grad, in its shape)."""
+    (its slice of flat__grad / S, in its shape)."""
     buffers, align = st.flat["buffers"], st.flat["align"]
     elem_of = {STEP: TensorProto.INT64, CLEAN: TensorProto.INT64, ACCUM_COUNT: TensorProto.INT64}
     shape_of = {SCALE: []}
@@ -219,7 +225,9 @@ def set_outputs(model, loss_t: str, st: State, expose_grads: bool) -> None:
     if expose_grads:
         table = buffers[fl.WEIGHTS]
         grads = [w + GRAD for w, _, _ in table]
-        model.graph.node.extend(fl.split_views(model.graph, fl.GRAD, table, grads, PREFIX, align))
+        b = Builder(model, prefix=PREFIX)
+        unscaled = b.op("Mul", [fl.GRAD, b.op("Reciprocal", [st.scale])])
+        model.graph.node.extend(fl.split_views(model.graph, unscaled, table, grads, PREFIX, align))
         outputs += [helper.make_tensor_value_info(g, TensorProto.FLOAT, shape)
                     for g, (_, _, shape) in zip(grads, table)]
     del model.graph.output[:]
