@@ -3,7 +3,7 @@
 linalg.py) on ONNX Runtime CPU, and an interleaved whole-step timer.
 
 Per layer shape (ResNet-50-like at batch 4 of 3x112x112, plus a grouped and two depthwise
-convs, and a BERT-like MatMul), each form is emitted by graphmp's own helpers into a small
+convs, and a BERT-like MatMul; --net resnet18: ResNet-18's 3x3 convs at batch 8 of 3x64x64), each form is emitted by graphmp's own helpers into a small
 graph (inputs X and dY, output the gradient) and timed in ONE process, 1 ORT thread, the
 forms interleaved round by round (only ratios within one run mean anything on a shared
 machine); every form's result is compared with the first form's (max abs diff / max |ref|):
@@ -21,7 +21,7 @@ carrying the state on over one fixed batch ends in denormal gradients that slow 
 10-50x), denormals flushed, no spin-waiting ORT threads, one fixed random batch.
 
 Usage:
-  python benchmarks/train_grads.py [--rounds 5] [--threads 1] [--only dw,dx,matmul]
+  python benchmarks/train_grads.py [--rounds 5] [--threads 1] [--only dw,dx,matmul] [--net resnet18]
                                    [--steps RUN_A,RUN_B] [--json benchmarks/results/train_grads.json]
 """
 from __future__ import annotations
@@ -60,6 +60,16 @@ LAYERS = [
     ("depthwise 3x3 128", 128, 128, 3, 1, 1, 28, 128),
     ("depthwise 3x3/2 256", 256, 256, 3, 2, 1, 14, 256),
 ]
+# --net resnet18: its 3x3 convs at a 64x64 input, batch 8 (benchmarks/train_cpu.py's case)
+NETS = {"resnet50": (4, LAYERS), "resnet18": (8, [
+    ("layer1 3x3 64 @16", 64, 64, 3, 1, 1, 16, 1),
+    ("layer2 3x3/2 64->128 @16", 64, 128, 3, 2, 1, 16, 1),
+    ("layer2 3x3 128 @8", 128, 128, 3, 1, 1, 8, 1),
+    ("layer3 3x3/2 128->256 @8", 128, 256, 3, 2, 1, 8, 1),
+    ("layer3 3x3 256 @4", 256, 256, 3, 1, 1, 4, 1),
+    ("layer4 3x3/2 256->512 @4", 256, 512, 3, 2, 1, 4, 1),
+    ("layer4 3x3 512 @2", 512, 512, 3, 1, 1, 2, 1),
+])}
 
 
 def _session(model, threads):
@@ -237,14 +247,17 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default="dw,dx,matmul")
-    ap.add_argument("--layers", default=None, help="comma-separated indices into LAYERS")
+    ap.add_argument("--layers", default=None, help="comma-separated indices into the net's layers")
+    ap.add_argument("--net", default="resnet50", choices=sorted(NETS), help="whose conv layers (and batch)")
     ap.add_argument("--steps", default=None, help="run folders to time StepRunner.step on, comma-separated")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import onnxruntime as ort
-    res = {"onnxruntime": ort.__version__, "threads": a.threads, "rounds": a.rounds, "batch": BATCH}
+    global BATCH
+    BATCH, net = NETS[a.net]
+    res = {"onnxruntime": ort.__version__, "threads": a.threads, "rounds": a.rounds, "batch": BATCH, "net": a.net}
     parts = a.only.split(",") if a.only else []
-    layers = LAYERS if not a.layers else [LAYERS[int(i)] for i in a.layers.split(",")]
+    layers = net if not a.layers else [net[int(i)] for i in a.layers.split(",")]
     for part, make in (("dw", dw_models), ("dx", dx_models)):
         if part not in parts:
             continue

@@ -234,7 +234,8 @@ WEIGHT_GRAD_FORMS = {"channels_first": _dw_channels_first, "per_sample": _dw_per
 def weight_grad_form(s: dict) -> str:
     """The dW form (a key of WEIGHT_GRAD_FORMS) for conv_shapes' facts `s`:
 
-    1. group 1 with several taps and Cin >= 16: per_tap;
+    1. group 1 with several taps, Cin >= 16 and more than 49 output positions per image:
+       per_tap;
     2. else per_sample when its partials are small next to the transposes channels_first
        makes: 4 * Cout * Cin_g * taps < Cin * (input positions read) + Cout * P;
     3. else channels_first.
@@ -257,7 +258,21 @@ def weight_grad_form(s: dict) -> str:
         3x3 depthwise 128 @28  3.49   2.31            2.23        -         per_sample
         3x3/2 depthwise 256@14 0.62   0.73            0.77        -         per_sample
 
-    Per-sample partials pay off only where they are small next to the activations (early,
+    ResNet-18 at 64x64, batch 8 (the same tool with --net resnet18, 21 runs; map = the
+    input's side, P = output positions per image):
+
+        layer                  P    conv   channels_first  per_sample  per_tap   picked
+        3x3 64 @16             256  2.71   1.53            1.64        1.23      per_tap
+        3x3/2 64->128 @16      64   1.20   0.81            0.99        0.78      per_tap
+        3x3 128 @8             64   2.00   1.25            1.75        1.14      per_tap
+        3x3/2 128->256 @8      16   1.45   0.72            2.00        0.81      channels_first
+        3x3 256 @4             16   2.25   1.23            5.46        1.60      channels_first
+        3x3/2 256->512 @4      4    3.23   0.88            10.25       1.78      channels_first
+        3x3 512 @2             4    4.56   1.71            12.13       3.02      channels_first
+
+    On small maps the column matrix is small and one GEMM writes dW in W's layout, where the
+    per-tap GEMMs' results must still be interleaved into it (a weight-sized Concat). Per-sample
+    partials pay off only where they are small next to the activations (early,
     wide layers); per-tap GEMMs beat the column matrix once Cin is not tiny (the stem's 49
     GEMMs with 3 columns each are the worst form there; on a 7x7 map they lose 10% to it).
     The convolution form is never picked: on the CPU it wins only the stem (by ~1 ms of a
@@ -267,7 +282,7 @@ def weight_grad_form(s: dict) -> str:
     depthwise convs use the same GEMMs batched over the groups (depthwise: per group a
     [1, N*P] x [N*P, taps] product): 1.6x faster than the convolution form at 28x28,
     1.2x slower at 14x14 stride 2."""
-    if s["taps"] > 1 and s["group"] == 1 and s["cin"] >= 16:
+    if s["taps"] > 1 and s["group"] == 1 and s["cin"] >= 16 and s["positions"] > 49:
         return "per_tap"
     read = int(np.prod(s["in_spatial"])) if s["taps"] > 1 or any(s["pads"]) else s["positions"]
     partials = s["cout"] * s["cin_g"] * s["taps"]
