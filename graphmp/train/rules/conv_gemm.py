@@ -204,7 +204,7 @@ def input_grad_gemm(em: Emitter, gout: str, w: str, s: dict) -> str:
     canvas = [max(b + n, (k - 1) * d + L) for b, n, k, d, L in zip(begins, ins, s["kernel"], s["dil"], spread)]
     parts = []
     for i, tap in enumerate(_taps(s["kernel"])):
-        part = em.op("Slice", [prod, em.ints([i]), em.ints([i + 1]), em.ints([rank])])
+        part = prod if s["taps"] == 1 else em.op("Slice", [prod, em.ints([i]), em.ints([i + 1]), em.ints([rank])])
         part = _spread(em, part, s) if any(v > 1 for v in s["strides"]) else \
             em.op("Reshape", [part, em.ints([0] + outs + [cin])])
         at = [t * d for t, d in zip(tap, s["dil"])]
@@ -212,8 +212,10 @@ def input_grad_gemm(em: Emitter, gout: str, w: str, s: dict) -> str:
         if any(at) or any(after):
             part = em.op("Pad", [part, em.ints([0] + at + [0, 0] + after + [0])])
         parts.append(part)
-    total = em.op("Slice", [em.sum(parts), em.ints(begins), em.ints([b + n for b, n in zip(begins, ins)]),
-                            em.ints(range(1, 1 + sp))])
+    total = em.sum(parts)
+    if any(begins) or canvas != ins:
+        total = em.op("Slice", [total, em.ints(begins), em.ints([b + n for b, n in zip(begins, ins)]),
+                                em.ints(range(1, 1 + sp))])
     return em.cast(em.transpose(total, [0, rank - 1] + list(range(1, rank - 1))), dt, acc)
 
 
