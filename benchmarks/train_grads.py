@@ -12,6 +12,8 @@ machine); every form's result is compared with the first form's (max abs diff / 
   dX   pad_slice (ConvTranspose without pads, then Pad + Slice to X), pads (ConvTranspose
        with the conv's pads and output_padding), gemm (one MatMul over the batch + col2im,
        conv_gemm.input_grad_gemm), auto (what the rule picks)
+  fwd  the forward Conv with W a graph input (as in a step): conv (ONNX Runtime's Conv) vs
+       gemm (conv_gemm.forward_gemm: the columns of X and one Gemm over the batch)
   dB   of A [8, 128, 256] @ B [256, 1024], and dA of A [256, 512] @ B [8, 512, 128]: partials
        (batched MatMul + ReduceSum over the batch) vs flat (one Gemm over the flattened batch)
 
@@ -143,6 +145,27 @@ def dx_models(cin, cout, k, s, p, h, group):
     return {n: form(n) for n in names}, feeds, 2.0 * BATCH * o * o * cout * (cin // group) * k * k
 
 
+def fwd_models(cin, cout, k, s, p, h, group):
+    """The forward Conv of a step (W a graph input) as ONNX Runtime's Conv and as
+    conv_gemm.forward_gemm (one Gemm over the batch)."""
+    o = _out(h, k, s, p)
+    xs, ws, ys = [BATCH, cin, h, h], [cout, cin // group, k, k], [BATCH, cout, o, o]
+
+    def conv(em):
+        return em.op("Conv", ["X", "W"], strides=[s, s], pads=[p] * 4, group=group)
+
+    def gemm(em):
+        em.info["Y"] = (F32, ys)
+        shapes = conv_gemm.conv_shapes(em, "X", "Y", group, [k, k], [s, s], [1, 1], [p] * 4)
+        return conv_gemm.forward_gemm(em, "X", "W", None, shapes, em.fresh("Y"))
+    rng = np.random.default_rng(5)
+    feeds = {"X": rng.standard_normal(xs).astype(np.float32), "W": rng.standard_normal(ws).astype(np.float32)}
+    models = {"conv": _emit({"X": xs, "W": ws}, conv, ys)}
+    if group == 1:
+        models["gemm"] = _emit({"X": xs, "W": ws}, gemm, ys)
+    return models, feeds, 2.0 * BATCH * o * o * cout * (cin // group) * k * k
+
+
 def matmul_models(n=8, t=128, k=256, m=1024):
     """dB [K, M] of A [n, t, K] @ B [K, M] (a Linear weight over a batch of sequences)."""
     a_shape, y_shape = [n, t, k], [n, t, m]
@@ -258,7 +281,7 @@ def main():
     res = {"onnxruntime": ort.__version__, "threads": a.threads, "rounds": a.rounds, "batch": BATCH, "net": a.net}
     parts = a.only.split(",") if a.only else []
     layers = net if not a.layers else [net[int(i)] for i in a.layers.split(",")]
-    for part, make in (("dw", dw_models), ("dx", dx_models)):
+    for part, make in (("dw", dw_models), ("dx", dx_models), ("fwd", fwd_models)):
         if part not in parts:
             continue
         res[part] = {}

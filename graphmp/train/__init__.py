@@ -10,6 +10,7 @@
     measure.py    declare_measured(): tensor ranks/dims onnx inference loses, measured in ONNX Runtime
     losses.py     add_loss(): cross-entropy (torch's semantics: class axis, ignore index, smoothing, weights) or MSE
     optim.py      the update as ONNX nodes: finite check, clipping, lr schedule, grad accumulation, SGD/AdamW, loss scale
+    lower.py      lower_forward_convs(): a step's wide convs on small maps as one Gemm over the batch
     update.py     add_update(): the update phase over flat buffers (one finite check, one select, the optimizer)
     flat.py       flat state buffers: the packing table, pack()/unpack()/next_state(), the weights' views in the graph
     step_cost.py  precision_cost(): the FP16 share of a step's GEMM FLOPs and its Cast bytes (train.json)

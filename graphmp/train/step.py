@@ -13,7 +13,8 @@ InferenceSession: one `run` = one optimizer step (or one micro-batch with grad_a
 
 build_step takes a StepConfig (config.py; or the same keywords), then runs its phases in turn:
 _load_source -> _forward_and_loss -> _select_weights -> _convert_precision -> _add_backward
--> _add_update -> _set_outputs -> _finish (checks, inference graph, the run folder written).
+-> lower_forward_convs (lower.py) -> _add_update -> _set_outputs -> _finish (checks, inference
+graph, the run folder written).
 
 State naming (per tensor, as train.json "state" lists it; the graph packs them, see below):
     input X                      -> output  X + NEXT ("X__next")
@@ -82,6 +83,7 @@ from .builder import (Builder, all_names, ancestors, dims, elem_name, lift_to_in
                       prune, value_info)
 from .config import PRECISIONS, StepConfig
 from .losses import LOSS, LOSSES
+from .lower import lower_forward_convs
 from .optim import ACCUM_COUNT
 from .ort_checks import calibration_batch, check_runs, prove_runs
 from .runfiles import check_run_dir, write_run
@@ -556,6 +558,7 @@ def build_step(model, out_dir, config: StepConfig | None = None, **options) -> d
     small_weight_warning(s, f, cfg)
     _convert_precision(s, f, cfg, config)
     _, grads, st = _add_backward(s, f, cfg, config.expose_grads)
+    st.n_before += lower_forward_convs(f.model, st.n_before)
     _add_update(s, f, cfg, grads, st)
     _set_outputs(f, st, config.expose_grads)
     return _finish(s, f, st, cfg, config, out_dir)

@@ -219,6 +219,49 @@ def input_grad_gemm(em: Emitter, gout: str, w: str, s: dict) -> str:
     return em.cast(em.transpose(total, [0, rank - 1] + list(range(1, rank - 1))), dt, acc)
 
 
+def forward_form(s: dict) -> str | None:
+    """"gemm" where forward_gemm beats ONNX Runtime's Conv with a run-time kernel (a step's
+    forward) for conv_shapes' facts `s`, else None: group 1, at least 128 input and output
+    channels, at most 9 output positions per image (a 3x3 map).
+
+    Measured like input_grad_form (benchmarks/train_grads.py --only fwd), ms:
+
+        N   Cin->Cout  map/stride  P    Conv    gemm
+        8   512->512   2 /1        4    3.04    1.04
+        8   256->512   4 /2        4    1.53    0.58
+        8   128->128   2 /1        4    0.22    0.16
+        8   64->64     2 /1        4    0.07    0.08
+        8   512->512   3 /1        9    2.90    2.15
+        8   256->256   3 /1        9    0.84    0.67
+        8   256->256   4 /1        16   0.82    0.94
+        32  256->256   4 /1        16   3.64    4.05
+        4   512->512   4 /1        16   1.50    1.58
+        4   256->256   7 /1        49   1.38    1.31
+        8   128->128   8 /1        64   0.80    0.97
+
+    From a 4x4 map on, the column matrix's copies cost what the one read of the kernel saves."""
+    small = s["positions"] <= 9
+    return "gemm" if s["group"] == 1 and min(s["cin"], s["cout"]) >= 128 and small else None
+
+
+def forward_gemm(em: Emitter, x: str, w: str, bias: str | None, s: dict, out: str) -> str:
+    """Y = Conv(X, W) + B (group 1) written to `out` as one Gemm over the batch: the columns of
+    X channels-first [Cin * taps, N * P] (the ones _dw_channels_first builds), W as
+    [Cout, Cin * taps] times them (+ B as [Cout, 1]), the [Cout, N, *outs] result made
+    batch-first. Needs conv_shapes' facts `s` for (x, y)."""
+    rank = 2 + s["sp"]
+    k = s["cin"] * s["taps"]
+    if s["taps"] == 1 and not any(s["pads"]):
+        cols = _channels_first(em, _tap_window(em, x, s, _taps(s["kernel"])[0]), rank)
+    else:
+        cols = _columns(em, _channels_first(em, x, rank), s, 1)        # [Cin, taps, N, *outs]
+    inputs = [em.op("Reshape", [w, em.ints([s["cout"], k])]), em.op("Reshape", [cols, em.ints([k, -1])])]
+    if bias:
+        inputs.append(em.op("Reshape", [bias, em.ints([s["cout"], 1])]))
+    y = em.op("Reshape", [em.op("Gemm", inputs), em.ints([s["cout"], -1] + s["outs"])])
+    return em.op("Transpose", [y], name=out, perm=[1, 0] + list(range(2, rank)))
+
+
 def _spread(em: Emitter, part: str, s: dict) -> str:
     """A tap's [N, *outs, Cin, 1] slice as [N, *(outs * strides), Cin]: each value at o * stride,
     zeros between (each spatial axis gets a length-1 axis after it, zero-padded to the stride)."""
