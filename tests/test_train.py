@@ -689,3 +689,34 @@ def test_cuda_state_stays_on_device_and_converges(cnn_path, tmp_path):
                 checkpoint_every=0, progress=False, providers=["CPUExecutionProvider"], resume=False)
     acc, cpu_acc = res.summary["eval"]["accuracy"], cpu.summary["eval"]["accuracy"]
     assert res.summary["state_on_device"] and acc >= 0.8 and abs(acc - cpu_acc) <= 0.03, (acc, cpu_acc)
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_finite_flag_sees_one_bad_gradient_anywhere(rows):
+    """optim.finite_flag over a flat gradient of whole rows (the step's form, rows=True) and
+    element by element: one inf, -inf, NaN or inf - inf anywhere (the tail row too) makes it
+    False; large finite values whose row sums stay in FP32's range keep it True."""
+    from onnx import helper
+
+    from graphmp.model_runs import ort_session
+    from graphmp.train.builder import Builder
+    from graphmp.train.optim import finite_flag
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph([], "f", [vi("g", TensorProto.FLOAT, [4 * 8]), vi("loss", TensorProto.FLOAT, [])],
+                          [vi("ok", TensorProto.BOOL, [])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    finite_flag(Builder(m), ["g", "loss"], out="ok", row=8 if rows else None)
+    sess = ort_session(m)
+    base = np.random.default_rng(0).standard_normal(32).astype(np.float32)
+
+    def ok(values, loss=1.0):
+        return bool(sess.run(None, {"g": values, "loss": np.array(loss, np.float32)})[0])
+    assert ok(base) and ok(np.full(32, 1e35, np.float32)) and not ok(base, loss=np.nan)
+    for where in (0, 13, 31):
+        for bad in (np.inf, -np.inf, np.nan):
+            v = base.copy()
+            v[where] = bad
+            assert not ok(v), (where, bad)
+    v = base.copy()
+    v[[9, 10]] = [np.inf, -np.inf]  # a row summing to NaN
+    assert not ok(v)

@@ -170,7 +170,7 @@ def _update(b: Builder, cfg: dict, g: str, loss_t: str, st: State):
         b.op("Or", [applied, b.op("And", [b.op("Not", [update]), micro_finite])], out=FINITE)
         kinds[fl.FLAT + ACCUM] = "accum"
     else:
-        applied = micro_finite = optim.finite_flag(b, [g, loss_t], out=FINITE)
+        applied = micro_finite = optim.finite_flag(b, [g, loss_t], out=FINITE, row=fl.ALIGN)
     if cfg["clip_norm"] is not None:
         coef = optim.clip_coef(b, grads, cfg["clip_norm"], unscale)
         unscale = coef if unscale is None else b.op("Mul", [coef, unscale])
