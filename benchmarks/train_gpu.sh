@@ -23,6 +23,9 @@
 #    node (launches blocking, ORT's profiler), and the nodes placed on the CPU. -> DIR/profile.json
 # 5. benchmarks/step_audit.py on the four step graphs at batch 32: nodes by phase, MB moved by
 #    the non-GEMM nodes. -> DIR/audit.json ({run folder name: audit})
+# 6. benchmarks/train_grads.py --device cuda --only dx,dw,fwd --net resnet50-224: the conv gradient
+#    and forward forms one by one on the CUDA provider (their shape rules were derived on the
+#    CPU). -> DIR/grads_cuda.json (skipped with --dry-run)
 # --build-only: only the exports and step graphs of 2. (into DIR/runs; the installed onnxruntime,
 # no GPU needed), so that a later --reuse run times them without building again.
 # --dry-run: train.py --device cpu --tiny (the same models at toy size, batch 4, ORT CPU and
@@ -110,6 +113,10 @@ if ((${#runs[@]})); then
   "$PY" benchmarks/train_profile_gpu.py "${runs[@]}" "${profile_device[@]}" --json "$OUT/profile.json" || rc=1
   "$PY" benchmarks/step_audit.py "${runs[@]}" --batch "$BATCH" --json "$OUT/audit.json" || rc=1
 fi
+if ((!DRY)); then
+  "$PY" benchmarks/train_grads.py --device cuda --only dx,dw,fwd --net resnet50-224 --rounds 11 \
+    --json "$OUT/grads_cuda.json" || rc=1
+fi
 echo "train_gpu: wrote $OUT/train_gpu.json, $OUT/train_session.json, $OUT/train_session_bert.json," \
-  "$OUT/profile.json and $OUT/audit.json"
+  "$OUT/profile.json, $OUT/audit.json and (on a GPU) $OUT/grads_cuda.json"
 exit $rc

@@ -3,7 +3,8 @@
 linalg.py) on ONNX Runtime CPU, and an interleaved whole-step timer.
 
 Per layer shape (ResNet-50-like at batch 4 of 3x112x112, plus a grouped and two depthwise
-convs, and a BERT-like MatMul; --net resnet18: ResNet-18's 3x3 convs at batch 8 of 3x64x64), each form is emitted by graphmp's own helpers into a small
+convs, and a BERT-like MatMul; --net resnet18: ResNet-18's 3x3 convs at batch 8 of 3x64x64;
+--net resnet50-224: ResNet-50's at batch 32 of 3x224x224, the GPU benchmark's shapes), each form is emitted by graphmp's own helpers into a small
 graph (inputs X and dY, output the gradient) and timed in ONE process, 1 ORT thread, the
 forms interleaved round by round (only ratios within one run mean anything on a shared
 machine); every form's result is compared with the first form's (max abs diff / max |ref|):
@@ -23,7 +24,8 @@ carrying the state on over one fixed batch ends in denormal gradients that slow 
 10-50x), denormals flushed, no spin-waiting ORT threads, one fixed random batch.
 
 Usage:
-  python benchmarks/train_grads.py [--rounds 5] [--threads 1] [--only dw,dx,matmul] [--net resnet18]
+  python benchmarks/train_grads.py [--rounds 5] [--threads 1] [--only dw,dx,fwd,matmul] [--net resnet18]
+                                   [--device cuda]
                                    [--steps RUN_A,RUN_B] [--json benchmarks/results/train_grads.json]
 """
 from __future__ import annotations
@@ -62,8 +64,19 @@ LAYERS = [
     ("depthwise 3x3 128", 128, 128, 3, 1, 1, 28, 128),
     ("depthwise 3x3/2 256", 256, 256, 3, 2, 1, 14, 256),
 ]
-# --net resnet18: its 3x3 convs at a 64x64 input, batch 8 (benchmarks/train_cpu.py's case)
-NETS = {"resnet50": (4, LAYERS), "resnet18": (8, [
+# --net resnet18: its 3x3 convs at a 64x64 input, batch 8 (benchmarks/train_cpu.py's case);
+# --net resnet50-224: ResNet-50's at 224x224, batch 32 (the GPU benchmark's, train_gpu.sh)
+NETS = {"resnet50": (4, LAYERS), "resnet50-224": (32, [
+    ("stem 7x7/2 3->64", 3, 64, 7, 2, 3, 224, 1),
+    ("layer1 1x1 64->256", 64, 256, 1, 1, 0, 56, 1),
+    ("layer1 3x3 64", 64, 64, 3, 1, 1, 56, 1),
+    ("layer2 3x3/2 128", 128, 128, 3, 2, 1, 56, 1),
+    ("layer3 3x3 256", 256, 256, 3, 1, 1, 14, 1),
+    ("layer4 3x3/2 512", 512, 512, 3, 2, 1, 14, 1),
+    ("layer4 3x3 512", 512, 512, 3, 1, 1, 7, 1),
+    ("layer4 1x1 512->2048", 512, 2048, 1, 1, 0, 7, 1),
+    ("layer4 1x1 2048->512", 2048, 512, 1, 1, 0, 7, 1),
+]), "resnet18": (8, [
     ("layer1 3x3 64 @16", 64, 64, 3, 1, 1, 16, 1),
     ("layer2 3x3/2 64->128 @16", 64, 128, 3, 2, 1, 16, 1),
     ("layer2 3x3 128 @8", 128, 128, 3, 1, 1, 8, 1),
@@ -74,6 +87,9 @@ NETS = {"resnet50": (4, LAYERS), "resnet18": (8, [
 ])}
 
 
+PROVIDERS = ["CPUExecutionProvider"]  # --device cuda: CUDA first
+
+
 def _session(model, threads):
     import onnxruntime as ort
     so = ort.SessionOptions()
@@ -81,7 +97,11 @@ def _session(model, threads):
     so.log_severity_level = 3
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.add_session_config_entry("session.set_denormal_as_zero", "1")
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=PROVIDERS)
+    if sess.get_providers()[0] != PROVIDERS[0]:  # ORT falls back to the CPU silently
+        raise SystemExit(f"{PROVIDERS[0]} is not available here (onnxruntime {ort.__version__}: "
+                         f"{ort.get_available_providers()})")
+    return sess
 
 
 def _emit(inputs: dict, build, out_shape, inits=()) -> onnx.ModelProto:
@@ -269,16 +289,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", default="dw,dx,matmul")
+    ap.add_argument("--only", default="dw,dx,fwd,matmul")
     ap.add_argument("--layers", default=None, help="comma-separated indices into the net's layers")
     ap.add_argument("--net", default="resnet50", choices=sorted(NETS), help="whose conv layers (and batch)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: the forms on ONNX Runtime's CUDA provider (each run's output copied back)")
     ap.add_argument("--steps", default=None, help="run folders to time StepRunner.step on, comma-separated")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     import onnxruntime as ort
-    global BATCH
+    global BATCH, PROVIDERS
+    if a.device == "cuda":
+        PROVIDERS = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     BATCH, net = NETS[a.net]
-    res = {"onnxruntime": ort.__version__, "threads": a.threads, "rounds": a.rounds, "batch": BATCH, "net": a.net}
+    res = {"onnxruntime": ort.__version__, "threads": a.threads, "rounds": a.rounds, "batch": BATCH, "net": a.net,
+           "device": a.device}
     parts = a.only.split(",") if a.only else []
     layers = net if not a.layers else [net[int(i)] for i in a.layers.split(",")]
     for part, make in (("dw", dw_models), ("dx", dx_models), ("fwd", fwd_models)):
