@@ -1,7 +1,9 @@
 """Every node of graphmp's step graphs has a kernel in ONNX Runtime's CUDA provider
 (graphmp/train/cuda_kernels.py, transcribed from ORT's docs/OperatorKernels.md), so none falls
-back to the CPU under CUDAExecutionProvider. The step graphs: a CNN with BatchNorm and MaxPool,
-a pre-LN transformer block, an embedding bag (torch exports, tests/fixtures), FP32 and mixed.
+back to the CPU under CUDAExecutionProvider. The step graphs: a CNN with BatchNorm and MaxPool
+(and the same at 128 channels, whose strided conv on a 2x2 map takes the GEMM forms of
+rules/conv_gemm.py and lower.py), a pre-LN transformer block, an embedding bag (torch exports,
+tests/fixtures), FP32 and mixed.
 No GPU needed: the check reads the graph."""
 import os
 
@@ -22,15 +24,16 @@ from graphmp.train.step import build_step  # noqa: E402
 def _model(kind, path):
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
-    if kind == "cnn":
-        return export(CNN(), rng.standard_normal((8, 3, 8, 8)).astype(np.float32), path)
+    if kind in ("cnn", "cnn-wide"):
+        return export(CNN(width=128 if kind == "cnn-wide" else 8), rng.standard_normal((8, 3, 8, 8)).astype(np.float32),
+                      path)
     if kind == "block":
         return export(Block(), rng.standard_normal((4, 6, 16)).astype(np.float32), path)
     return export_bag(Bag(), rng.integers(0, 12, (8, 24)).astype(np.int64), path)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "mixed"])
-@pytest.mark.parametrize("kind", ["cnn", "block", "bag"])
+@pytest.mark.parametrize("kind", ["cnn", "cnn-wide", "block", "bag"])
 def test_step_graph_has_a_cuda_kernel_for_every_node(tmp_path, kind, precision):
     path = _model(kind, str(tmp_path / f"{kind}.onnx"))
     run = str(tmp_path / "run")
