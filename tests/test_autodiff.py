@@ -364,6 +364,7 @@ CASES = [
     *[Case(f"MaxPool-{k}", [N("MaxPool", ["x"], ["y"], **at)], {"x": _distinct("mp" + k, 2, 2, 6, 7)})
       for k, at in [("k2s2", dict(kernel_shape=[2, 2], strides=[2, 2])),
                     ("overlap-pad", dict(kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1])),
+                    ("k3s2-pad", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
                     ("dil-ceil", dict(kernel_shape=[2, 2], strides=[2, 2], dilations=[2, 1], ceil_mode=1))]],
     Case("MaxPool-with-indices", [N("MaxPool", ["x"], ["y", "i"], kernel_shape=[3], strides=[2])],
          {"x": _distinct("mpi", 2, 3, 9)}),

@@ -254,3 +254,56 @@ def test_scatter_add_gradients_on_cuda_exact_and_the_same_every_run(op):
     np.testing.assert_allclose(outs[0], ref, rtol=0, atol=1e-5 * float(np.abs(ref).max()))
     for k, o in enumerate(outs):
         assert o.tobytes() == outs[0].tobytes(), f"CUDA run {k}: not the bits of run 0"
+
+
+def _maxpool_grad(x: np.ndarray, r: np.ndarray, **attrs) -> tuple[onnx.ModelProto, str]:
+    """The gradient model of MaxPool(x, **attrs) under loss = sum(y * r), with the index input of
+    every ScatterElements of the gradient also an output."""
+    model, g = _grad_model([N("MaxPool", ["x"], ["y"], **attrs)], x, None, r)
+    model = onnx.load_from_string(model)
+    for n in model.graph.node:
+        if n.op_type == "ScatterElements":
+            model.graph.output.append(helper.make_tensor_value_info(n.input[1], TensorProto.INT64, None))
+    return model, g
+
+
+def test_overlapping_maxpool_scatters_no_position_twice_per_scatter():
+    """ResNet's stem pool (3x3, stride 2, pad 1: a position can be the max of 4 windows): the
+    gradient adds dY back in 4 ScatterElements, each over windows 2 apart per axis, so no
+    scatter repeats a position (the atomics of ORT CUDA's kernel then never collide), and the
+    sum is numpy's float64 one to FP32 rounding. A stride-2 2x2 pool (no overlap) keeps one."""
+    rng = np.random.default_rng(3)
+    x = rng.permutation(2 * 3 * 9 * 9).reshape(2, 3, 9, 9).astype(np.float32)  # distinct: one argmax
+    r = rng.standard_normal((2, 3, 5, 5)).astype(np.float32)
+    model, g = _maxpool_grad(x, r, kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    outs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    scatters = outs[2:]
+    assert len(scatters) == 4
+    for idx in scatters:
+        assert len(np.unique(idx)) == idx.size
+    assert sum(idx.size for idx in scatters) == r.size
+    ref = np.zeros(x.size)
+    xp = np.pad(x, [(0, 0), (0, 0), (1, 1), (1, 1)], constant_values=-np.inf)
+    for n, c, i, j in np.ndindex(*r.shape):
+        win = xp[n, c, 2 * i:2 * i + 3, 2 * j:2 * j + 3]
+        a, b = np.unravel_index(np.argmax(win), win.shape)
+        ref[np.ravel_multi_index((n, c, 2 * i + a - 1, 2 * j + b - 1), x.shape)] += r[n, c, i, j]
+    np.testing.assert_allclose(outs[1].reshape(-1), ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+    model, _ = _maxpool_grad(x[:, :, :8, :8], r[:, :, :4, :4], kernel_shape=[2, 2], strides=[2, 2])
+    assert [n.op_type for n in model.graph.node].count("ScatterElements") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs onnxruntime-gpu and a CUDA GPU")
+def test_overlapping_maxpool_gradient_on_cuda_is_the_same_every_run():
+    """The grouped scatters of an overlapping MaxPool's gradient on ORT CUDA: the same bits on
+    every run (each ScatterElements adds to distinct positions, so no atomic adds collide)."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((8, 16, 33, 33)).astype(np.float32)
+    r = rng.standard_normal((8, 16, 17, 17)).astype(np.float32)
+    model, g = _maxpool_grad(x, r, kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert sess.get_providers()[0] == "CUDAExecutionProvider"
+    outs = [sess.run([g], {"x": x})[0] for _ in range(RUNS)]
+    for k, o in enumerate(outs):
+        assert o.tobytes() == outs[0].tobytes(), f"CUDA run {k}: not the bits of run 0"

@@ -97,14 +97,25 @@ def _flat_scatter(em: Emitter, x: str, flat_idx: str, g: str, reduction: str | N
     Exact and deterministic on ONNX Runtime's CPU: one 1-D ScatterElements over axis 0 is a
     single work unit there, applied in the order of the updates by one thread (measured
     bit-identical with 1, 2 and 4 intra-op threads). ORT CUDA adds with atomics: each sum is
-    exact to FP32 rounding, its order (so its last bits) may change run to run."""
+    exact to FP32 rounding, its order (so its last bits) may change run to run where
+    positions repeat (_flat_scatter_parts avoids that where the repeats have a pattern)."""
+    return _flat_scatter_parts(em, x, [(flat_idx, g)], reduction)
+
+
+def _flat_scatter_parts(em: Emitter, x: str, parts: list, reduction: str | None) -> str:
+    """_flat_scatter of several (flat_idx, g) parts, one ScatterElements each, in order, each
+    adding to (or writing over) what the ones before it left. Where no part repeats a position
+    within itself, every part's adds land on distinct elements, so even ONNX Runtime's CUDA
+    kernel, which adds with atomics, gives the same bits every run: the sums' order is the
+    parts' order."""
     dt = em.dtype(x)
     acc = _acc_type(dt)
-    zeros = em.op("ConstantOfShape", [em.op("Reshape", [em.op("Size", [x]), em.ints([1])])],
-                  value=helper.make_tensor("zero", acc, [1], [0]))
+    flat = em.op("ConstantOfShape", [em.op("Reshape", [em.op("Size", [x]), em.ints([1])])],
+                 value=helper.make_tensor("zero", acc, [1], [0]))
     kw = {"reduction": reduction} if reduction else {}
-    flat = em.op("ScatterElements", [zeros, em.op("Reshape", [flat_idx, em.ints([-1])]),
-                                     em.op("Reshape", [em.cast(g, acc, dt), em.ints([-1])])], axis=0, **kw)
+    for flat_idx, g in parts:
+        flat = em.op("ScatterElements", [flat, em.op("Reshape", [flat_idx, em.ints([-1])]),
+                                         em.op("Reshape", [em.cast(g, acc, dt), em.ints([-1])])], axis=0, **kw)
     return em.cast(em.reshape_like(flat, x), dt, acc)
 
 

@@ -6,7 +6,7 @@ from onnx import TensorProto, helper
 
 from ...errors import GraphmpError
 from ..emitter import Emitter, attr, rule
-from .common import _count_ratio, _flat_scatter, _inputs, _is_extreme, per_channel_count
+from .common import _count_ratio, _flat_scatter_parts, _inputs, _is_extreme, per_channel_count
 from .conv_gemm import WEIGHT_GRAD_FORMS, conv_shapes, input_grad_form, input_grad_gemm, weight_grad_form
 
 
@@ -181,10 +181,19 @@ def conv_transpose(em, node, g):
             em.reduce("ReduceSum", gy, [0] + list(range(2, 2 + sp)), keepdims=0) if b and em.needs(b) else None]
 
 
+def _disjoint_window_groups(kernel, strides, dil) -> list[int]:
+    """Per spatial axis, how many output positions apart two pooling windows must be to share
+    no input position: ceil(extent / stride), extent = (k - 1) * dilation + 1 (1: never)."""
+    return [-(-((k - 1) * d + 1) // s) for k, s, d in zip(kernel, strides, dil)]
+
+
 @rule("MaxPool", outputs=(0,), opset=16)
 def max_pool(em, node, g):
     """Y = window max: dX = dY added (ScatterElements, reduction add) at the argmax Indices,
-    so overlapping windows accumulate."""
+    so overlapping windows accumulate. Overlapping windows (ResNet's 3x3 stride-2 stem pool)
+    are scattered in groups of windows that share no input position (every G-th window per
+    axis, G = _disjoint_window_groups), one ScatterElements per group in a fixed order: no
+    group repeats a position, so ORT CUDA's atomic adds give the same bits every run."""
     x = node.input[0]
     if em.opset < 16:
         raise GraphmpError(f"node '{node.name}' (MaxPool): its gradient needs ScatterElements with "
@@ -204,7 +213,19 @@ def max_pool(em, node, g):
     lead = em.op("Slice", [em.shape_tensor(x), em.ints([0]), em.ints([2])])
     base = em.op("Reshape", [base, em.op("Concat", [lead, em.ints([1] * (rank - 2))], axis=0)])
     flat = em.op("Add", [em.op("Mod", [idx, plane]), base])
-    return [_flat_scatter(em, x, flat, g[0], "add")]
+    sp = rank - 2
+    kernel = list(attr(node, "kernel_shape"))
+    groups = _disjoint_window_groups(kernel, list(attr(node, "strides", [1] * sp)),
+                                     list(attr(node, "dilations", [1] * sp)))
+    end, axes = em.ints([np.iinfo(np.int64).max] * sp), em.ints(range(2, rank))
+    parts = []
+    for first in np.ndindex(*groups):
+        if groups == [1] * sp:
+            parts.append((flat, g[0]))
+            break
+        every = [em.ints(first), end, axes, em.ints(groups)]
+        parts.append((em.op("Slice", [flat] + every), em.op("Slice", [g[0]] + every)))
+    return [_flat_scatter_parts(em, x, parts, "add")]
 
 
 @rule("AveragePool")
