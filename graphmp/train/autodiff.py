@@ -62,8 +62,9 @@ MIN_OPSET = 13
 
 
 def add_backward(model: onnx.ModelProto, loss: str, wrt: Sequence[str], *, seed: str | None = None,
-                 prefix: str = "grad") -> dict[str, str]:
+                 prefix: str = "grad", info: dict | None = None) -> dict[str, str]:
     """Append the nodes computing d(loss)/d(w) for every w in `wrt`; return {w: gradient name}.
+    `info`: tensor_info(model) of the model as it is now, when the caller already has it.
 
     See the module docstring for the guarantees and how rules are applied.
     A w that does not reach `loss` gets a zero gradient of its own shape and dtype."""
@@ -71,7 +72,7 @@ def add_backward(model: onnx.ModelProto, loss: str, wrt: Sequence[str], *, seed:
     if opset < MIN_OPSET:
         raise GraphmpError(f"add_backward: the model's opset is {opset}; gradients need opset >= "
                            f"{MIN_OPSET} (convert it with onnx.version_converter first)")
-    info = tensor_info(model)
+    info = tensor_info(model) if info is None else info
     graph = model.graph
     known = set(info) | {o for n in graph.node for o in n.output}
     for name in [loss, *wrt] + ([seed] if seed else []):

@@ -35,19 +35,22 @@ def _candidates(graph, n_forward: int) -> list:
     return found
 
 
-def lower_forward_convs(model: onnx.ModelProto, n_forward: int) -> int:
+def lower_forward_convs(model: onnx.ModelProto, n_forward: int, info: dict | None = None) -> int:
     """Needs the step graph with its backward, the forward (and loss) being its first n_forward
-    nodes. Rewrites each forward Conv that conv_gemm.forward_form picks (static shapes but the
-    batch, a run-time kernel) as conv_gemm.forward_gemm, in place; returns how many nodes the
-    forward grew by (0: nothing rewritten)."""
+    nodes, and `info`: emitter.tensor_info of the forward (made here when None). Rewrites each
+    forward Conv that conv_gemm.forward_form picks (static shapes but the batch, a run-time
+    kernel) as conv_gemm.forward_gemm, in place; returns how many nodes the forward grew by
+    (0: nothing rewritten)."""
     graph = model.graph
     picked = _candidates(graph, n_forward)
     if not picked:
         return 0
-    forward = onnx.ModelProto()
-    forward.CopyFrom(model)
-    del forward.graph.node[n_forward:]
-    em = Emitter(model, tensor_info(forward), PREFIX)
+    if info is None:
+        forward = onnx.ModelProto()
+        forward.CopyFrom(model)
+        del forward.graph.node[n_forward:]
+        info = tensor_info(forward)
+    em = Emitter(model, info, PREFIX)
     replaced = {}
     for node in picked:
         x, w = node.input[0], node.input[1]

@@ -112,10 +112,11 @@ def optimizer(b: Builder, cfg: dict, grads: dict, lr: str, step_next_f: str, app
     the lr tensor and the new step count as FP32; each gradient is grad_scale * grads[w]
     (grad_scale an FP32 scalar tensor, None: 1), so the loss scale's 1 / S and a clipping
     factor ride on the optimizer's scalar coefficients instead of a pass over the gradients
-    each (ResNet-18's 11.7M weights: 4.3 ms of a 123 ms CPU step for the unscale alone). Returns ({state input: new value}, {moment
-    state: the weight it belongs to}); a moment of weight w is named state_name(w, "__momentum"
-    | "__exp_avg" | "__exp_avg_sq"), and a new value is written to out_name(state) when that
-    gives a name (the graph's output, so no copy follows).
+    each (ResNet-18's 11.7M weights: 4.3 ms of a 123 ms CPU step for the unscale alone).
+    Returns ({state input: new value}, {moment state: the weight it belongs to}); a moment of
+    weight w is named state_name(w, "__momentum" | "__exp_avg" | "__exp_avg_sq"), and a new
+    value is written to out_name(state) when that gives a name (the graph's output, so no
+    copy follows).
 
     The new values are gated by `applied` (a bool scalar) through their scalar coefficients,
     with no pass over the state: when it is False every coefficient that moves the state is 0

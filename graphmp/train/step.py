@@ -163,6 +163,7 @@ class _Forward:
     bn_stats: list = field(default_factory=list)    # BN running statistics (graph inputs)
     convert_report: dict | None = None              # graphmp.convert's report (mixed, bf16)
     generated: dict | None = None                   # the generated batch (calibration_batch), made once
+    forward_info: dict | None = None                # emitter.tensor_info of the forward + loss graph
     warnings: list = field(default_factory=list)    # train.json warnings about the loss's choices
 
 
@@ -389,7 +390,7 @@ def _add_backward(s: _Source, f: _Forward, cfg: dict, expose_grads: bool) -> tup
     """Needs the (converted) forward + loss graph. Adds the loss-scale and step-counter inputs
     and the backward seeded with the scale S; gives (the builder, {weight: FP32 gradient
     scaled by S}, the state with its counts and st.scale)."""
-    from .autodiff import add_backward, batchnorm_params_to_x_type
+    from .autodiff import add_backward, batchnorm_params_to_x_type, tensor_info
     from .measure import with_measure_note
     b, g = Builder(f.model), f.model.graph
     st = _State(dynamic=cfg["loss_scale"] == "dynamic", n_before=0)
@@ -401,8 +402,9 @@ def _add_backward(s: _Source, f: _Forward, cfg: dict, expose_grads: bool) -> tup
         scale = b.const(cfg["loss_scale"])
     g.input.append(helper.make_tensor_value_info(STEP, TensorProto.INT64, []))
     st.n_before = len(g.node)
+    f.forward_info = tensor_info(f.model)  # the backward's and lower_forward_convs' shapes
     try:
-        grads_scaled = add_backward(f.model, f.loss_t, f.weights, seed=scale)
+        grads_scaled = add_backward(f.model, f.loss_t, f.weights, seed=scale, info=f.forward_info)
     except GraphmpError as e:
         raise with_measure_note(e, f.measured, s.path) from None
     if f.convert_report is not None:  # FP16 X with FP32 parameters has no CUDA kernel
@@ -558,7 +560,7 @@ def build_step(model, out_dir, config: StepConfig | None = None, **options) -> d
     small_weight_warning(s, f, cfg)
     _convert_precision(s, f, cfg, config)
     _, grads, st = _add_backward(s, f, cfg, config.expose_grads)
-    st.n_before += lower_forward_convs(f.model, st.n_before)
+    st.n_before += lower_forward_convs(f.model, st.n_before, f.forward_info)
     _add_update(s, f, cfg, grads, st)
     _set_outputs(f, st, config.expose_grads)
     return _finish(s, f, st, cfg, config, out_dir)

@@ -158,18 +158,16 @@ def _update(b: Builder, cfg: dict, g: str, loss_t: str, st: State):
     kinds = {fl.WEIGHTS: "weight"}
     nxt = {}
     if n > 1:  # the window sums unscaled gradients (S may change between windows)
-        g = b.op("Mul", [g, unscale])
-        unscale = None
-    grads = {fl.WEIGHTS: g}
-    if n > 1:
+        g, unscale = b.op("Mul", [g, unscale]), None
         micro_finite = optim.finite_flag(b, [g, loss_t])
-        grads, update, nxt = optim.accumulate(b, grads, n, state_name=_flat_name)
+        grads, update, nxt = optim.accumulate(b, {fl.WEIGHTS: g}, n, state_name=_flat_name)
         window_finite = optim.finite_flag(b, [grads[fl.WEIGHTS], loss_t])
         applied = b.op("And", [update, window_finite])
         # FINITE = update ? window_finite : micro_finite (ORT has no bool Where kernel)
         b.op("Or", [applied, b.op("And", [b.op("Not", [update]), micro_finite])], out=FINITE)
         kinds[fl.FLAT + ACCUM] = "accum"
     else:
+        grads = {fl.WEIGHTS: g}
         applied = micro_finite = optim.finite_flag(b, [g, loss_t], out=FINITE, row=fl.ALIGN)
     if cfg["clip_norm"] is not None:
         coef = optim.clip_coef(b, grads, cfg["clip_norm"], unscale)
