@@ -51,6 +51,26 @@ def test_wide_convs_on_small_maps_become_one_gemm_with_the_same_outputs():
         np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5 * np.abs(x).max())
 
 
+def test_fp16_convs_are_lowered_only_without_a_bias():
+    """In FP16 a Conv with a bias stays a Conv (ORT CPU's Gemm would round the product before
+    adding the bias); one without a bias becomes a Gemm, within FP16 rounding of the Conv."""
+    rng = np.random.default_rng(8)
+    vi = helper.make_tensor_value_info
+    f16 = TensorProto.FLOAT16
+    nodes = [N("Conv", ["x", "w", "b"], ["a"], pads=[1, 1, 1, 1], name="with_bias"),
+             N("Conv", ["a", "w"], ["y"], pads=[1, 1, 1, 1], name="no_bias")]
+    inputs = {"x": ["n", 128, 2, 2], "w": [128, 128, 3, 3], "b": [128]}
+    g = helper.make_graph(nodes, "f16", [vi(k, f16, v) for k, v in inputs.items()], [vi("y", f16, ["n", 128, 2, 2])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    feeds = {k: (rng.standard_normal([2 if d == "n" else d for d in v]) * 0.1).astype(np.float16)
+             for k, v in inputs.items()}
+    before = ort_session(model).run(None, feeds)[0].astype(np.float32)
+    assert lower_forward_convs(model, n_forward=2) > 0
+    assert [n.name for n in model.graph.node if n.op_type == "Conv"] == ["with_bias"]
+    after = ort_session(model).run(None, feeds)[0].astype(np.float32)
+    np.testing.assert_allclose(after, before, rtol=2e-3, atol=2e-3 * np.abs(before).max())
+
+
 def test_nothing_to_lower_leaves_the_graph_as_it_was():
     model, _ = _model()
     del model.graph.node[:2]
