@@ -154,6 +154,12 @@ def _dw_per_tap(em: Emitter, inp: str, gout: str, s: dict) -> str:
     return em.op("Reshape", [stacked, em.ints([s["cout"], s["cin"]] + s["kernel"])])
 
 
+def _wide(s: dict) -> bool:
+    """Group 1 and at least 128 input and output channels: where a kernel re-read per image
+    costs ONNX Runtime's CPU convolutions most (input_grad_form, forward_form)."""
+    return s["group"] == 1 and min(s["cin"], s["cout"]) >= 128
+
+
 def input_grad_form(s: dict) -> str | None:
     """"gemm" where input_grad_gemm beats ConvTranspose for conv_shapes' facts `s`, else None:
     group 1, at least 128 input and output channels, and at most 16 output positions per
@@ -183,7 +189,7 @@ def input_grad_form(s: dict) -> str | None:
     is large; the col2im's copies (a Pad per tap and their Sum) cost more than that saves on
     larger maps and narrow layers. On a GPU both are a GEMM and a few small copies."""
     small = s["positions"] <= 16 or (s["positions"] <= 49 and all(v == 1 for v in s["strides"]))
-    return "gemm" if s["group"] == 1 and min(s["cin"], s["cout"]) >= 128 and small else None
+    return "gemm" if _wide(s) and small else None
 
 
 def input_grad_gemm(em: Emitter, gout: str, w: str, s: dict) -> str:
@@ -240,8 +246,7 @@ def forward_form(s: dict) -> str | None:
         8   128->128   8 /1        64   0.80    0.97
 
     From a 4x4 map on, the column matrix's copies cost what the one read of the kernel saves."""
-    small = s["positions"] <= 9
-    return "gemm" if s["group"] == 1 and min(s["cin"], s["cout"]) >= 128 and small else None
+    return "gemm" if _wide(s) and s["positions"] <= 9 else None
 
 
 def forward_gemm(em: Emitter, x: str, w: str, bias: str | None, s: dict, out: str) -> str:

@@ -217,13 +217,12 @@ def max_pool(em, node, g):
     kernel = list(attr(node, "kernel_shape"))
     groups = _disjoint_window_groups(kernel, list(attr(node, "strides", [1] * sp)),
                                      list(attr(node, "dilations", [1] * sp)))
-    end, axes = em.ints([np.iinfo(np.int64).max] * sp), em.ints(range(2, rank))
+    if groups == [1] * sp:  # windows never overlap: no position repeats
+        return [_flat_scatter_parts(em, x, [(flat, g[0])], "add")]
+    end, axes, step = em.ints([np.iinfo(np.int64).max] * sp), em.ints(range(2, rank)), em.ints(groups)
     parts = []
     for first in np.ndindex(*groups):
-        if groups == [1] * sp:
-            parts.append((flat, g[0]))
-            break
-        every = [em.ints(first), end, axes, em.ints(groups)]
+        every = [em.ints(first), end, axes, step]
         parts.append((em.op("Slice", [flat] + every), em.op("Slice", [g[0]] + every)))
     return [_flat_scatter_parts(em, x, parts, "add")]
 
