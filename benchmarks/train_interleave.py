@@ -155,15 +155,15 @@ def quiet_sessions(profile_prefix: str | None = None):
         ort.SessionOptions = orig
 
 
-def graphmp_engine(run_dir: str, batch: dict, threads: int) -> Engine:
+def graphmp_engine(run_dir: str, batch: dict, threads: int, blocks: bool = True) -> Engine:
     """graphmp's StepRunner (public API, CPU provider, `threads` intra-op threads) on a built
     run folder; reset() feeds the run's initial state again (StepRunner returns new arrays, so
-    the initial ones stay untouched)."""
+    the initial ones stay untouched). blocks=False: the update as step.onnx's whole-buffer nodes."""
     from graphmp.train.loop import StepRunner, latest_state, load_run
     meta = load_run(run_dir)
     state, _ = latest_state(run_dir)
     with quiet_sessions():
-        runner = StepRunner(run_dir, meta, state, providers=["CPUExecutionProvider"], threads=threads)
+        runner = StepRunner(run_dir, meta, state, providers=["CPUExecutionProvider"], threads=threads, blocks=blocks)
     init = dict(runner.state)
 
     def step(feed: dict | None = None):
@@ -236,7 +236,7 @@ def versions() -> dict:
 def add_run_args(ap, json_default: str, what: str) -> None:
     """The options train_cpu.py and train_heldout.py share: --rounds, --warmup, --threads,
     --tiny, --work, --json (default json_default), --before (run folders <what>-fp32 /
-    <what>-mixed built by an older checkout)."""
+    <what>-mixed built by an older checkout), --before-whole-buffers."""
     ap.add_argument("--rounds", type=int, default=3, help="timed steps per engine, one per round")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
@@ -245,6 +245,9 @@ def add_run_args(ap, json_default: str, what: str) -> None:
     ap.add_argument("--json", default=json_default)
     ap.add_argument("--before", help=f"a folder of run folders <{what}>-fp32 / <{what}>-mixed built by an older "
                                      "checkout (its --work): timed in the same rounds, as *-before")
+    ap.add_argument("--before-whole-buffers", action="store_true",
+                    help="run the --before steps with the update as step.onnx's whole-buffer nodes (StepRunner "
+                         "blocks=False), as StepRunner ran every step before graphmp/train/blocks.py")
 
 
 def chosen(ap, csv: str, specs: dict, what: str) -> list:

@@ -39,12 +39,20 @@ def profile_graphmp(run_dir: str, batch: dict, threads: int, steps: int, prefix:
     """Run the step `steps` times with the ORT profiler on; {wall_ms: median of steps 2.., phase_ms,
     op_ms: {op:phase: ms per step}, top_nodes} from the events of steps 2.. (the first warms up)."""
     import onnx
+    from graphmp.train.blocks import block_update, cpu_threads, weights_size
     from graphmp.train.loop import StepRunner, latest_state, load_run
     meta = load_run(run_dir)
     state, _ = latest_state(run_dir)
     m = onnx.load(os.path.join(run_dir, "step.onnx"), load_external_data=False)
     phase_of = {n.name: p for n, p in zip(m.graph.node, step_audit._phases(m, meta["nodes"]["forward"]))}
     op_of = {n.name: n.op_type for n in m.graph.node}
+    # StepRunner runs the update's elementwise chain as Scans (graphmp/train/blocks.py): the same
+    # lowering here names them; the nodes of their bodies are timed inside the Scan's event
+    blocked, _ = block_update(m, weights_size(m), cpu_threads(threads))
+    for n in blocked.graph.node:
+        if n.op_type == "Scan":
+            phase_of[n.name], op_of[n.name] = "update", "Scan"
+            phase_of.update({b.name: "in-scan" for a in n.attribute if a.type == a.GRAPH for b in a.g.node})
     with ti.quiet_sessions(profile_prefix=prefix):
         runner = StepRunner(run_dir, meta, state, providers=["CPUExecutionProvider"], threads=threads)
     init, walls = dict(runner.state), []
@@ -71,6 +79,9 @@ def _summarize(events: list, phase_of: dict, op_of: dict, steps: int, walls: lis
             continue
         name = e["name"][: -len("_kernel_time")]
         ph = phase_of.get(name, "other")
+        if ph == "in-scan":  # already in its Scan's time: listed per node, not added to a phase
+            node[name] += e["dur"]
+            continue
         phase[ph] += e["dur"]
         op[f"{op_of.get(name, e['args'].get('op_name', '?'))}:{ph}"] += e["dur"]
         node[name] += e["dur"]

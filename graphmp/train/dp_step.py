@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from .blocks import for_session
 from .flat import GRAD as FLAT_GRAD, WEIGHTS, graph_state
 from .optim import ACCUM_COUNT
 
@@ -42,6 +43,9 @@ class Halves:
         so.intra_op_num_threads = threads
         so.log_severity_level = 3
         self.grad = ort.InferenceSession(grad_m.SerializeToString(), so, providers=providers)
+        # on the CPU, the update's elementwise chain in cache-sized blocks; its buffers keep their
+        # shape, which the gradient half shares
+        upd_m, _ = for_session(upd_m, meta, providers, threads, row_io=False)
         self.upd = ort.InferenceSession(upd_m.SerializeToString(), so, providers=providers)
         self.grad_in = [i.name for i in self.grad.get_inputs()]
         self.upd_in = [i.name for i in self.upd.get_inputs()]

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import GraphmpError, first_line
 from ..session import CUDA, ran_on
+from .blocks import for_session
 from .data import run_failure
 from .device import batch_dims, cuda_graph_blockers, pin_dims, step_providers
 from .flat import graph_state_names, pack, unpack
@@ -39,14 +40,17 @@ class StepRunner:
     path, device OrtValues when bound); state_numpy() gives it per tensor."""
 
     def __init__(self, run_dir, meta, state: dict, providers=None, device_state: bool | None = None,
-                 threads: int | None = None, cuda_graph: bool = False, batch_size: int | None = None):
+                 threads: int | None = None, cuda_graph: bool = False, batch_size: int | None = None,
+                 blocks: bool = True):
         """state: per tensor (train.json "state" names: state.npz, a checkpoint). providers: ONNX
         Runtime's (None: the CPU); a plain CUDA entry gets the step's options (step_providers).
         device_state: keep the state bound on the session's device (None: when it runs on CUDA).
         threads: intra-op threads (None or 0: ONNX Runtime's default). cuda_graph: capture the
         step as CUDA graphs, its batch axis pinned to batch_size (needed then); refused in one
         line (GraphmpError) when that cannot work. A step graph ONNX Runtime cannot load is one
-        line too."""
+        line too. blocks: on the CPU, run the update's elementwise chain in cache-sized blocks
+        (blocks.block_update: the same bits; False for the whole-buffer nodes of step.onnx, to
+        compare)."""
         self.meta = meta
         self.names = graph_state_names(meta)  # the step graph's state: a few flat buffers and scalars
         path = run_file(run_dir, meta, "step_model")
@@ -58,7 +62,12 @@ class StepRunner:
             model = pin_dims(model, batch_dims(model, meta, batch_size))
             _refuse_cuda_graph(path, model, self.names, providers, device_state)
             source = model.SerializeToString()
-        self.sess = _open_session(path, source, step_providers(providers, model, cuda_graph), threads, cuda_graph)
+        providers = step_providers(providers, model, cuda_graph)
+        self.rows = {}  # state buffers the session takes as rows (blocks.block_update): name -> shape
+        if blocks:
+            lowered, self.rows = for_session(model, meta, providers, threads)
+            source = source if lowered is model else lowered.SerializeToString()
+        self.sess = _open_session(path, source, providers, threads, cuda_graph)
         self.providers = self.sess.get_providers()  # what it got, not what was asked for
         self.provider_options = self.sess.get_provider_options().get(ran_on(self.sess), {})
         self.device = "cuda" if ran_on(self.sess) == CUDA else "cpu"
@@ -67,7 +76,7 @@ class StepRunner:
                                "fix the CUDA setup (docs/gpu.md) or leave out --cuda-graph")
         self.bound = self.device == "cuda" if device_state is None else bool(device_state)
         self.cuda_graph = bool(cuda_graph)
-        state = pack(meta, state, run_dir)  # per-tensor state -> the graph's buffers, once
+        state = _as_rows(pack(meta, state, run_dir), self.rows)  # per-tensor state -> the graph's buffers, once
         check_state(self.sess, state, self.names, run_dir)
         if self.bound:
             self.bindings = _Bindings(self.sess, state, self.names, [meta["loss_output"], meta["finite_output"]],
@@ -105,8 +114,9 @@ class StepRunner:
         """The state per tensor (train.json "state" names: what checkpoints, eval and export
         read), copies of the graph's buffers."""
         if not self.bound:
-            return unpack(self.meta, self.state)
-        return unpack(self.meta, {n: np.array(v.numpy()) for n, v in self.bindings.state().items()})
+            return unpack(self.meta, _as_lines(self.state, self.rows))
+        return unpack(self.meta, _as_lines({n: np.array(v.numpy()) for n, v in self.bindings.state().items()},
+                                           self.rows))
 
 
 class _Bindings:
@@ -172,6 +182,17 @@ class _Bindings:
             # update_inplace is a cudaMemcpy from pageable memory, which may return before its DMA has
             # landed, on another stream than the session's: wait for the device before the run reads it
             self.io[self.cur].synchronize_inputs()
+
+
+def _as_rows(state: dict, rows: dict) -> dict:
+    """The buffers the session takes as rows, seen so (views of the same values); a buffer of
+    another size is left as it is for check_state to name."""
+    return {n: a.reshape(rows[n]) if n in rows and a.size == int(np.prod(rows[n])) else a for n, a in state.items()}
+
+
+def _as_lines(state: dict, rows: dict) -> dict:
+    """The buffers the session took as rows, 1-D again (what flat.unpack reads)."""
+    return {n: np.asarray(a).reshape(-1) if n in rows else a for n, a in state.items()}
 
 
 def _result_value(declared, device: str):
