@@ -13,7 +13,12 @@ nodes named grad/..., update = the flat state's views and everything after the b
 per op type:phase. torch eager FP32 is timed in the same three phases on the same model and
 batch (forward + loss, backward, AdamW's step), median of the same steps.
 Kernel times exclude ORT's scheduling between nodes; the step's wall time is printed beside
-their sum.
+their sum. StepRunner runs the update's elementwise chain as a Scan over blocks on the CPU
+(graphmp/train/blocks.py): the Scan's time counts in the update phase, and the nodes of its
+body are listed among the top nodes (their times summed over the blocks) but not added again.
+The profiler records every body node of every block, which makes the Scan look slower under
+it than it runs (ResNet-18: ~45 ms profiled, against ~11 ms less step time than the
+whole-buffer update it replaces): compare the update across such runs by train_cpu.py.
 """
 from __future__ import annotations
 

@@ -10,10 +10,18 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graphmp.train.blocks import BLOCK, MIN_BLOCK, block_length, block_update, for_session
+from graphmp.train import blocks
+from graphmp.train.blocks import BLOCK, MIN_BLOCK, MIN_SIZE, block_length, block_update, for_session
 from graphmp.train.flat import WEIGHTS, next_state, pack
 from graphmp.train.loop import StepRunner, latest_state
 from graphmp.train.step import build_step
+
+
+@pytest.fixture(autouse=True)
+def small_buffers_block(monkeypatch):
+    """These models' buffers (~0.27M weights) are under MIN_SIZE, which only says when blocks
+    pay: let them block, so the tests run in a second."""
+    monkeypatch.setattr(blocks, "MIN_SIZE", 0)
 
 
 def _wide_mlp(width: int = 512, classes: int = 3):
@@ -112,7 +120,7 @@ def test_accumulation_blocks_in_two_scans_around_the_window_check(tmp_path):
     (2 * 100_003, 1, None),               # 100003 is prime: no divisor in range
     (BLOCK * 8, 4, BLOCK * 4),            # each of 4 threads keeps a block of BLOCK
 ])
-def test_block_length(n, threads, want):
+def test_block_length(n, threads, want):  # MIN_SIZE is 0 here (the fixture)
     c = block_length(n, threads)
     assert c == want
     if c:
@@ -191,3 +199,11 @@ def test_a_gradient_of_run_time_shape_still_blocks_the_whole_chain(tmp_path):
         got = runner.state_numpy()
         for k in expected:
             assert np.array_equal(got[k], expected[k]), k
+
+
+def test_buffers_under_min_size_stay_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(blocks, "MIN_SIZE", 1 << 20)
+    assert block_length(MIN_SIZE - 1024, 1) is None and block_length(MIN_SIZE, 1) == BLOCK
+    run, meta = _build(tmp_path, optimizer="adamw", precision="fp32")  # ~0.27M weights
+    r = StepRunner(run, meta, latest_state(run)[0], threads=1)
+    assert r.rows == {} and len({i.name: i.shape for i in r.sess.get_inputs()}[WEIGHTS]) == 1
