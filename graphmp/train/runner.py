@@ -15,7 +15,10 @@ Two paths, the same steps (tests/test_train.py, tests/test_train_session.py chec
   it was captured with: the loss and flag live on the device too, and a batch of another shape
   is an error (the pinned step graph takes one shape anyway).
 The session's provider options come from the step graph (device.step_providers); what the
-session got (get_provider_options) is kept in provider_options for the summary.
+session got (get_provider_options) is kept in provider_options for the summary. A CPU session
+runs the update's elementwise chain in cache-sized blocks (blocks.block_update, the same bits):
+the state buffers it reads and writes are then fed and held as rows [N / C, C] (self.rows),
+views of the same values, and state_numpy() gives them back per tensor as always.
 """
 from __future__ import annotations
 
