@@ -207,3 +207,15 @@ def test_buffers_under_min_size_stay_whole(tmp_path, monkeypatch):
     run, meta = _build(tmp_path, optimizer="adamw", precision="fp32")  # ~0.27M weights
     r = StepRunner(run, meta, latest_state(run)[0], threads=1)
     assert r.rows == {} and len({i.name: i.shape for i in r.sess.get_inputs()}[WEIGHTS]) == 1
+
+
+def test_a_step_graph_out_of_topological_order_is_left_as_written(tmp_path):
+    """A run folder from elsewhere whose nodes are not in topological order (ONNX asks for it;
+    the layers assume it): no blocking, no error of ours; ONNX Runtime judges the graph."""
+    run, meta = _build(tmp_path, optimizer="adamw", precision="fp32")
+    m = onnx.load(os.path.join(run, "step.onnx"))
+    nodes = list(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend(reversed(nodes))
+    same, rows = for_session(m, meta, None, 1)
+    assert same is m and rows == {}

@@ -132,8 +132,11 @@ def block_update(model: onnx.ModelProto, size: int, threads: int = 1, pairs: lis
     items = [(i, [n], _needs(n)) for i, n in enumerate(nodes) if i not in moved]
     for k, group in enumerate(groups):
         items.append(_scan(k, [nodes[i] for i in group], group, readers, shapes, names, rows, flat, c))
+    order = _topological(items, model.graph)
+    if order is None:  # a graph whose nodes were not in topological order: run it as it is written
+        return model, {}
     del out.graph.node[:]
-    out.graph.node.extend(_topological(items, model.graph))
+    out.graph.node.extend(order)
     return out, _rows_interface(out.graph, names, flat, [size // c, c], pairs or [])
 
 
@@ -281,9 +284,11 @@ def _scan(k: int, group: list, indices: list, readers: dict, shapes: dict, names
     return indices[0], made_nodes, list(ins) + scalars
 
 
-def _topological(items: list, graph) -> list:
+def _topological(items: list, graph) -> list | None:
     """The nodes of items [(position, [nodes], tensors they need)] in an order where every tensor
-    is made before it is read, the lowest position first among those ready."""
+    is made before it is read, the lowest position first among those ready; None when there is
+    none (the layers assume the model's own nodes in topological order, as ONNX asks: a run
+    folder from elsewhere may not keep to it, and ONNX Runtime then says what is wrong)."""
     ready_names = {v.name for v in graph.input} | {t.name for t in graph.initializer}
     made_by = {}
     for k, (_, ns, _) in enumerate(items):
@@ -307,6 +312,4 @@ def _topological(items: list, graph) -> list:
             waiting[u] -= 1
             if waiting[u] == 0:
                 heapq.heappush(heap, (items[u][0], u))
-    if len(order) != sum(len(ns) for _, ns, _ in items):
-        raise RuntimeError("internal error: blocking the update left a cycle in the step graph")
-    return order
+    return order if len(order) == sum(len(ns) for _, ns, _ in items) else None
