@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from graphmp.train import blocks
-from graphmp.train.blocks import BLOCK, MIN_BLOCK, MIN_SIZE, block_length, block_update, for_session
+from graphmp.train.blocks import BLOCK, MAX_BLOCK, MIN_BLOCK, MIN_SIZE, block_length, block_update, for_session
 from graphmp.train.flat import WEIGHTS, next_state, pack
 from graphmp.train.loop import StepRunner, latest_state
 from graphmp.train.step import build_step
@@ -119,12 +119,13 @@ def test_accumulation_blocks_in_two_scans_around_the_window_check(tmp_path):
     (BLOCK * 2 - 1024, 1, None),          # fits in two blocks: not worth it
     (2 * 100_003, 1, None),               # 100003 is prime: no divisor in range
     (BLOCK * 8, 4, BLOCK * 4),            # each of 4 threads keeps a block of BLOCK
+    (MAX_BLOCK * 12, 64, MAX_BLOCK),      # 64 threads share a block of MAX_BLOCK, not 64 * BLOCK
 ])
 def test_block_length(n, threads, want):  # MIN_SIZE is 0 here (the fixture)
     c = block_length(n, threads)
     assert c == want
     if c:
-        assert n % c == 0 and MIN_BLOCK * threads <= c <= BLOCK * threads
+        assert n % c == 0 and MIN_BLOCK <= c <= min(BLOCK * threads, MAX_BLOCK)
 
 
 def test_no_block_length_leaves_the_model_as_it_is(tmp_path):

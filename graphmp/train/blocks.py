@@ -38,6 +38,10 @@ from .flat import WEIGHTS, graph_state
 
 BLOCK = 65536        # elements per block at most (256 KB of FP32: a few buffers fit a 1 MB L2)
 MIN_BLOCK = 8192     # shorter blocks cost more in the Scan's per-block overhead than they save
+# A block of many threads' shares stops here: the chain's ~6 live buffers of 4 MB stay within
+# a server's L3 (the threads of a node share a block, and the next node's split of it between
+# them need not give a thread the part it wrote). Not measured beyond 2 threads.
+MAX_BLOCK = 1 << 20
 # Buffers shorter than this stay whole: the chain's ~6 live buffers of 2 MB then fit a
 # server's L3 anyway, and the Scan's overhead made the step slower (1 thread: an Embedding +
 # TransformerEncoder tagger with 0.53M weights 16.2 -> 16.7 ms, a depthwise CNN with 0.5M
@@ -86,13 +90,14 @@ def cpu_threads(threads: int | None) -> int:
 
 def block_length(n: int, threads: int = 1) -> int | None:
     """The block length C for buffers of n elements run on `threads` intra-op threads (ONNX
-    Runtime splits each node of a block between them, so each thread's share stays BLOCK): the
-    largest divisor of n from MIN_BLOCK * threads to BLOCK * threads; None when there is none,
-    or n is under MIN_SIZE or fits two blocks (blocking would not pay)."""
-    threads = max(1, threads)
-    if n < max(MIN_SIZE, 2 * BLOCK * threads):
+    Runtime splits each node of a block between them, so a block holds BLOCK per thread, up to
+    MAX_BLOCK): the largest divisor of n from an eighth of that (MIN_BLOCK at least) to it;
+    None when there is none, or n is under MIN_SIZE or fits two blocks (blocking would not pay)."""
+    high = min(BLOCK * max(1, threads), MAX_BLOCK)
+    low = max(MIN_BLOCK, high // 8)
+    if n < max(MIN_SIZE, 2 * high):
         return None
-    return next((c for c in range(BLOCK * threads, MIN_BLOCK * threads - 1, -1) if n % c == 0), None)
+    return next((c for c in range(high, low - 1, -1) if n % c == 0), None)
 
 
 def block_update(model: onnx.ModelProto, size: int, threads: int = 1, pairs: list | None = None,
