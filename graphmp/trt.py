@@ -18,8 +18,9 @@ What it guarantees:
 - Dynamic input dims get one optimization profile from `shapes` (opt), `min_shapes`
   and `max_shapes` (both default to opt). A dynamic input without a shape is an error
   that names the input and its dims.
-- The ONNX parser reads the file itself (`parse_from_file`), so external weights next
-  to the model are found; parser failures name the node, its op and TensorRT's message.
+- The ONNX parser gets the model's bytes with its weights inline, read through the data
+  files graphmp checked (under 2 GB; over, it reads the file itself, `parse_from_file`,
+  after the same check); parser failures name the node, its op and TensorRT's message.
 - A failed build is a GraphmpError carrying the errors TensorRT logged (a logger that
   keeps them), not "see above".
 - Before any work (and before TensorRT is imported): the engine output and the timing
@@ -54,7 +55,7 @@ import numpy as np
 
 from .errors import GraphmpError
 from .inputs import dims_text, parse_shapes
-from .model_io import load_model, model_inputs
+from .model_io import TWO_GB, load_model, load_with_weights, model_inputs, model_weight_bytes
 from .weight_rounding import from_bf16_bits, to_bf16_bits
 from .save import atomic_write
 from .paths import check_target, refuse_clobber
@@ -159,6 +160,18 @@ def _write_bytes(path: str, data: bytes) -> None:
             f.write(data)
     except OSError as e:
         raise GraphmpError(f"{path}: could not write ({e.strerror or e}). Check the folder and free space.") from None
+
+
+def _parse(parser, path: str, graph) -> bool:
+    """TensorRT's parser on the model at `path` (`graph`: load_model's, its external data
+    checked). Under 2 GB the parser gets the model's bytes with every weight inline, read
+    through the descriptors graphmp checked (load_with_weights), so TensorRT opens no file:
+    a data file swapped after the check, or a link that leaves the model's folder, is never
+    read. Over 2 GB protobuf cannot hold the model in one message: the parser reads the file
+    and its external data itself (parse_from_file), after the same check."""
+    if model_weight_bytes(graph) + graph.ByteSize() < TWO_GB:
+        return parser.parse(load_with_weights(path).SerializeToString())
+    return parser.parse_from_file(os.path.abspath(path))
 
 
 def _parser_error_text(err) -> str:
@@ -314,7 +327,7 @@ def build_engine(model, output=None, *, shapes=None, min_shapes=None, max_shapes
     strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)  # None: always, no flag
     network = builder.create_network(0 if strongly_typed is None else 1 << int(strongly_typed))
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(os.path.abspath(path)):
+    if not _parse(parser, path, graph):
         errors = [_parser_error_text(parser.get_error(i)) for i in range(parser.num_errors)]
         shown = "; ".join(errors[:4]) or f"no parser error recorded ({logger.said()})"
         more = f" (+{len(errors) - 4} more)" if len(errors) > 4 else ""

@@ -72,7 +72,7 @@ def test_build_and_run_call_sequence(tmp_path, standin):
     res = gtrt.build_engine(model, tmp_path / "m.plan", timing_cache=tmp_path / "t.cache", **AFFINE_RANGE)
     names = _names(trt)
     assert _in_order(names, ["init_libnvinfer_plugins", "Builder", "Builder.create_network",
-                             "OnnxParser.parse_from_file", "Builder.create_builder_config", "IBuilderConfig.set_flag",
+                             "OnnxParser.parse", "Builder.create_builder_config", "IBuilderConfig.set_flag",
                              "IOptimizationProfile.set_shape", "IBuilderConfig.add_optimization_profile",
                              "IBuilderConfig.create_timing_cache", "IBuilderConfig.set_timing_cache",
                              "Builder.build_serialized_network", "IBuilderConfig.get_timing_cache",
@@ -285,3 +285,28 @@ def test_missing_feed_and_missing_library(tmp_path, standin, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt raises ImportError
     with pytest.raises(GraphmpError, match="TensorRT is not available.*graphmp\\[gpu\\]"):
         gtrt.build_engine(_affine(tmp_path / "m.onnx"), **AFFINE_RANGE)
+
+
+def test_the_parser_gets_the_checked_weights_inline_and_opens_no_file(tmp_path, standin):
+    """A model whose weights are in a data file beside it: TensorRT's parser is given the bytes
+    graphmp read through the descriptor it checked, every weight inline, and no path; it never
+    opens the data file (one swapped or linked elsewhere after the check is never read)."""
+    trt = standin()
+    w = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "mm",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 256])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 64])],
+                          [onnx.numpy_helper.from_array(w, "w")])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path),
+              save_as_external_data=True, all_tensors_to_one_file=True, location="w.bin", size_threshold=0)
+    assert (tmp_path / "w.bin").stat().st_size == w.nbytes
+    res = gtrt.build_engine(str(path), shapes={"x": (2, 256)})
+    parses = [c for c in trt.calls if c[0].startswith("OnnxParser.parse")]
+    assert parses == [("OnnxParser.parse", (None, False))]  # bytes, no path, no external tensor left
+    (tmp_path / "w.bin").write_bytes(np.zeros_like(w).tobytes())  # what a file swapped after the check holds
+    x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
+    r = gtrt.EngineRunner(res.engine, {"x": x})
+    r.step()
+    np.testing.assert_allclose(r.outputs()["y"], x @ w, rtol=1e-5, atol=1e-5)
+    r.close()

@@ -24,7 +24,7 @@ or unbound tensors give wrong outputs or failures, as on a GPU.
 
 Switches (keyword arguments of make_standins):
   plugins_ok=True           init_libnvinfer_plugins' return value
-  parse_errors=None         list of (node_name, op, desc): parse_from_file returns False
+  parse_errors=None         list of (node_name, op, desc): parse / parse_from_file returns False
   build_fails=False         build_serialized_network logs an error and returns None
   device="H100"             the GPU the timing cache belongs to (a cache blob made for
                             another device is rejected by set_timing_cache(cache, False))
@@ -36,6 +36,7 @@ Switches (keyword arguments of make_standins):
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import ctypes
 import enum
@@ -168,7 +169,7 @@ def make_standins(**switches):
 
     class INetworkDefinition:
         def __init__(self, flags):
-            self.flags, self.inputs, self.outputs, self.path = flags, [], [], None
+            self.flags, self.inputs, self.outputs, self.path, self.model = flags, [], [], None, None
 
         @property
         def num_inputs(self):
@@ -211,10 +212,21 @@ def make_standins(**switches):
         def parse_from_file(self, path):
             import onnx
             rec("OnnxParser.parse_from_file", path)
+            return self._network_of(onnx.load(path, load_external_data=False), path=path)
+
+        def parse(self, model, path=None):
+            """TensorRT's parse(model: buffer, path: str = None): a serialized model; path only
+            for a model whose weights are stored externally."""
+            import onnx
+            m = onnx.load_from_string(bytes(model))
+            external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in m.graph.initializer)
+            rec("OnnxParser.parse", path, external)
+            return self._network_of(m, model=bytes(model))
+
+        def _network_of(self, m, path=None, model=None):
             if sw["parse_errors"]:
                 self.errors = [IParserError(i, *e) for i, e in enumerate(sw["parse_errors"])]
                 return False
-            m = onnx.load(path, load_external_data=False)
             init = {t.name for t in m.graph.initializer}
             for vi, dest in [(v, self.network.inputs) for v in m.graph.input if v.name not in init] + \
                             [(v, self.network.outputs) for v in m.graph.output]:
@@ -222,7 +234,7 @@ def make_standins(**switches):
                 shape = [d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim]
                 name = sw["io_types"].get(vi.name, ONNX_TO_TRT[tt.elem_type])
                 dest.append(ITensor(vi.name, shape, DataType[name]))
-            self.network.path = path
+            self.network.path, self.network.model = path, model
             return True
 
     class IOptimizationProfile:
@@ -310,14 +322,15 @@ def make_standins(**switches):
 
         def build_serialized_network(self, network, config):
             rec("Builder.build_serialized_network")
-            assert network.path, "build before a successful parse"
+            assert network.path or network.model, "build before a successful parse"
             if sw["build_fails"]:
                 self.logger.log(Severity.ERROR, "[standin] no implementation found for node 'conv1' (Conv)")
                 return None
             if config.cache is not None:
                 config.cache.entries += 1
             profile = config.profiles[0].shapes if config.profiles else {}
-            spec = {"path": network.path, "strongly_typed": bool(network.flags & 2),
+            model = base64.b64encode(network.model).decode() if network.model else None
+            spec = {"path": network.path, "model": model, "strongly_typed": bool(network.flags & 2),
                     "tf32": BuilderFlag.TF32 in config.flags, "profile": profile,
                     "inputs": [[t.name, list(t.shape), t.dtype.name] for t in network.inputs],
                     "outputs": [[t.name, list(t.shape), t.dtype.name] for t in network.outputs]}
@@ -362,7 +375,8 @@ def make_standins(**switches):
         def __init__(self, engine):
             self.engine, self.shapes, self.addresses = engine, {}, {}
             import onnxruntime as ort
-            self.sess = ort.InferenceSession(engine.spec["path"], providers=["CPUExecutionProvider"])
+            source = base64.b64decode(engine.spec["model"]) if engine.spec.get("model") else engine.spec["path"]
+            self.sess = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
 
         def set_input_shape(self, name, shape):
             shape = tuple(int(d) for d in shape)
