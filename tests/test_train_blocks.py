@@ -220,3 +220,28 @@ def test_a_step_graph_out_of_topological_order_is_left_as_written(tmp_path):
     m.graph.node.extend(reversed(nodes))
     same, rows = for_session(m, meta, None, 1)
     assert same is m and rows == {}
+
+
+def test_a_batchnorm_cnn_blocks_beside_its_running_statistics(tmp_path, monkeypatch):
+    """BatchNorm's running statistics are a buffer of another length (their own Where on the
+    finite flag): they stay outside the Scan, and every state tensor keeps the step graph's
+    bits. Blocks this short only to fit the tiny CNN (the logic does not depend on the length)."""
+    from fixtures import tiny
+    monkeypatch.setattr(blocks, "BLOCK", 2048)
+    monkeypatch.setattr(blocks, "MIN_BLOCK", 256)
+    p = str(tmp_path / "cnn.onnx")
+    onnx.save(tiny.cnn(channels=64), p)
+    run = str(tmp_path / "run")
+    meta = build_step(p, run, loss="cross-entropy", lr=0.01, optimizer="sgd", momentum=0.9, weight_decay=1e-4,
+                      precision="mixed", lr_schedule="cosine", warmup_steps=2, total_steps=10)
+    assert meta["bn_stats"]
+    batches = [tiny.bars(4, seed=i) for i in range(4)]
+    batches[1]["x"][0, 0, 1, 1] = np.inf
+    want = _reference_states(run, meta, batches)
+    r = StepRunner(run, meta, latest_state(run)[0], threads=1)
+    assert r.rows
+    for b, expected in zip(batches, want):
+        r.step(b)
+        got = r.state_numpy()
+        for k in expected:
+            assert np.array_equal(got[k], expected[k]), k
