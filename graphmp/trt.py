@@ -55,7 +55,8 @@ import numpy as np
 
 from .errors import GraphmpError
 from .inputs import dims_text, parse_shapes
-from .model_io import TWO_GB, load_model, load_with_weights, model_inputs, model_weight_bytes
+from .model_io import (TWO_GB, is_external, iter_graphs, load_model, load_with_weights, model_inputs,
+                       tensor_nbytes)
 from .weight_rounding import from_bf16_bits, to_bf16_bits
 from .save import atomic_write
 from .paths import check_target, refuse_clobber
@@ -169,7 +170,8 @@ def _parse(parser, path: str, graph) -> bool:
     a data file swapped after the check, or a link that leaves the model's folder, is never
     read. Over 2 GB protobuf cannot hold the model in one message: the parser reads the file
     and its external data itself (parse_from_file), after the same check."""
-    if model_weight_bytes(graph) + graph.ByteSize() < TWO_GB:
+    external = sum(tensor_nbytes(t) for g in iter_graphs(graph.graph) for t in g.initializer if is_external(t))
+    if graph.ByteSize() + external < TWO_GB:  # ByteSize counts the inline weights
         return parser.parse(load_with_weights(path).SerializeToString())
     return parser.parse_from_file(os.path.abspath(path))
 
