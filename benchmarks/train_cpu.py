@@ -8,12 +8,14 @@ Goal: graphmp's step <= 1.2x torch's, FP32 and mixed.
 
     python benchmarks/train_cpu.py [--cases resnet50,resnet18,bert]
         [--rounds 3] [--warmup 1] [--threads 1] [--json benchmarks/results/train_cpu.json] [--tiny]
-        [--before DIR [--before-whole-buffers]]
+        [--before DIR [--before-whole-buffers] [--before-plain]]
 
 --before DIR times, in the same run, the steps an older checkout built in DIR (its --work);
 with --before-whole-buffers they run with the update as step.onnx's whole-buffer nodes, as
-StepRunner ran every step before it blocked the update (graphmp/train/blocks.py). A step
-built by this checkout in DIR with that flag is the blocked update's own before/after.
+StepRunner ran every step before it blocked the update (graphmp/train/blocks.py), and with
+--before-plain on the plain path (numpy state fed and fetched each step), the CPU's default
+before the bound one. Steps built by this checkout in DIR with those flags give the two
+changes' own before/after.
 Cases:
   resnet50  torchvision-layout ResNet-50 (bottleneck 3-4-6-3), batch 4 of 3x112x112, 1000 classes
   resnet18  torchvision-layout ResNet-18 (basic 2-2-2-2), batch 8 of 3x64x64, 1000 classes
@@ -91,7 +93,7 @@ def measure(spec: dict, prep: dict, args) -> dict:
                "graphmp-mixed": ti.graphmp_engine(prep["runs"]["mixed"], prep["batch"], args.threads)}
     for prec, run in prep.get("before", {}).items():  # --before: the same steps as an older checkout built them
         engines[f"graphmp-{prec}-before"] = ti.graphmp_engine(run, prep["batch"], args.threads,
-                                                              blocks=not args.before_whole_buffers)
+                                                              **ti.before_engine_kw(args))
     timed = ti.interleave(engines, args.rounds, args.warmup)
     rows = {k: ti.row(v) for k, v in timed.items()}
     torch_ms, torch_loss = rows["torch-fp32"]["median_ms"], rows["torch-fp32"]["loss"]

@@ -276,7 +276,7 @@ def step_timer(run_dirs: list[str], rounds: int, threads: int) -> dict:
     losses = {}
     for r in range(rounds + 1):
         for d, (runner, init) in runners.items():
-            runner.state = dict(init)
+            runner.set_state(init)
             t0 = time.perf_counter()
             losses[d] = runner.step(batches[d])[0]
             if r:  # round 0 is the warm-up

@@ -129,7 +129,7 @@ def check_model(name: str, spec: dict, work: str, args) -> dict:
         out["losses"][prec] = loss_agreement(ref, losses, applied[:args.steps].count(False), prec, noisy)
     for prec in PRECISIONS if args.before else ():  # the same steps as an older checkout built them, timed alike
         engines[f"graphmp-{prec}-before"] = ti.graphmp_engine(os.path.join(args.before, f"{name}-{prec}"), batch,
-                                                             args.threads, blocks=not args.before_whole_buffers)
+                                                             args.threads, **ti.before_engine_kw(args))
     timed = ti.interleave(engines, args.rounds, args.warmup)
     out["rows"] = {k: ti.row(v) for k, v in timed.items()}
     t = out["rows"]["torch-fp32"]["median_ms"]

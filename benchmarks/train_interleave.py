@@ -155,23 +155,26 @@ def quiet_sessions(profile_prefix: str | None = None):
         ort.SessionOptions = orig
 
 
-def graphmp_engine(run_dir: str, batch: dict, threads: int, blocks: bool = True) -> Engine:
+def graphmp_engine(run_dir: str, batch: dict, threads: int, blocks: bool = True,
+                   device_state: bool | None = None) -> Engine:
     """graphmp's StepRunner (public API, CPU provider, `threads` intra-op threads) on a built
-    run folder; reset() feeds the run's initial state again (StepRunner returns new arrays, so
-    the initial ones stay untouched). blocks=False: the update as step.onnx's whole-buffer nodes."""
+    run folder, on its default (bound) path; reset() puts the run's initial state back
+    (StepRunner.set_state, untimed). blocks=False: the update as step.onnx's whole-buffer nodes;
+    device_state=False: the plain path (numpy state fed and fetched each step)."""
     from graphmp.train.loop import StepRunner, latest_state, load_run
     meta = load_run(run_dir)
     state, _ = latest_state(run_dir)
     with quiet_sessions():
-        runner = StepRunner(run_dir, meta, state, providers=["CPUExecutionProvider"], threads=threads, blocks=blocks)
-    init = dict(runner.state)
+        runner = StepRunner(run_dir, meta, state, providers=["CPUExecutionProvider"], threads=threads, blocks=blocks,
+                            device_state=device_state)
+    init = runner.state_numpy()
 
     def step(feed: dict | None = None):
         loss, applied, _ = runner.step(batch if feed is None else feed)
         return loss, applied
 
     def reset():
-        runner.state = dict(init)
+        runner.set_state(init)
 
     return Engine(step, reset)
 
@@ -236,7 +239,7 @@ def versions() -> dict:
 def add_run_args(ap, json_default: str, what: str) -> None:
     """The options train_cpu.py and train_heldout.py share: --rounds, --warmup, --threads,
     --tiny, --work, --json (default json_default), --before (run folders <what>-fp32 /
-    <what>-mixed built by an older checkout), --before-whole-buffers."""
+    <what>-mixed built by an older checkout), --before-whole-buffers, --before-plain."""
     ap.add_argument("--rounds", type=int, default=3, help="timed steps per engine, one per round")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
@@ -248,6 +251,14 @@ def add_run_args(ap, json_default: str, what: str) -> None:
     ap.add_argument("--before-whole-buffers", action="store_true",
                     help="run the --before steps with the update as step.onnx's whole-buffer nodes (StepRunner "
                          "blocks=False), as StepRunner ran every step before graphmp/train/blocks.py")
+    ap.add_argument("--before-plain", action="store_true",
+                    help="run the --before steps on the plain path (StepRunner device_state=False: numpy state fed "
+                         "and fetched each step), the CPU's default before the bound path was")
+
+
+def before_engine_kw(args) -> dict:
+    """graphmp_engine's keywords for the --before steps from --before-whole-buffers / --before-plain."""
+    return {"blocks": not args.before_whole_buffers, "device_state": False if args.before_plain else None}
 
 
 def chosen(ap, csv: str, specs: dict, what: str) -> list:

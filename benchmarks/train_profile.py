@@ -60,9 +60,9 @@ def profile_graphmp(run_dir: str, batch: dict, threads: int, steps: int, prefix:
             phase_of.update({b.name: "in-scan" for a in n.attribute if a.type == a.GRAPH for b in a.g.node})
     with ti.quiet_sessions(profile_prefix=prefix):
         runner = StepRunner(run_dir, meta, state, providers=["CPUExecutionProvider"], threads=threads)
-    init, walls = dict(runner.state), []
+    init, walls = runner.state_numpy(), []
     for _ in range(steps):
-        runner.state = dict(init)
+        runner.set_state(init)
         t0 = time.perf_counter()
         runner.step(batch)
         walls.append(time.perf_counter() - t0)

@@ -217,7 +217,7 @@ def _optimizer_run(tmp_path, mlp_path, name, steps=4, **kw):
     run = _run_dir(tmp_path, name)
     meta = build_step(mlp_path, run, precision="fp32", expose_grads=True, loss_scale=8.0, **kw)
     state, _ = latest_state(run)
-    r = StepRunner(run, meta, state)
+    r = StepRunner(run, meta, state, device_state=False)  # r.state: numpy
     sess = r.sess
     out_names = [o.name for o in sess.get_outputs()]
     history = []

@@ -121,7 +121,7 @@ def test_flat_step_is_the_per_weight_formula_and_a_skipped_step_changes_nothing(
     lr, wd, mom = 0.02, 0.01, 0.9
     meta = build_step(p, run, loss="cross-entropy", precision="fp32", optimizer=optimizer, lr=lr, weight_decay=wd,
                       momentum=mom, expose_grads=True, init_scale=256.0)
-    r = StepRunner(run, meta, latest_state(run)[0])
+    r = StepRunner(run, meta, latest_state(run)[0], device_state=False)  # r.state: numpy
     names = [o.name for o in r.sess.get_outputs()]
     batches = [tiny.bars(8, seed=i) for i in range(5)]
     batches[2]["x"][1, 0, 2, 3] = np.inf  # the third step overflows: skipped

@@ -49,7 +49,7 @@ def _applied_lrs(run, steps, start_state=None):
     """Run `steps` SGD steps; return the lr each applied: mean((w - w') / g) (g = exposed grad)."""
     meta = load_run(run)
     state = start_state or latest_state(run)[0]
-    r = StepRunner(run, meta, state)
+    r = StepRunner(run, meta, state, device_state=False)  # r.state: numpy
     names = [o.name for o in r.sess.get_outputs()]
     rng = np.random.default_rng(0)
     lrs = []

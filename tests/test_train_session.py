@@ -134,6 +134,27 @@ def test_bound_path_equals_plain_path_across_a_batch_shape_change(cnn_runs):
         assert np.array_equal(sa[k], sb[k]), k
 
 
+@pytest.mark.parametrize("bound", [None, False])
+def test_the_cpu_binds_by_default_and_set_state_puts_a_state_back(cnn_runs, bound):
+    """With no device_state the CPU runs the bound path too (no fresh state buffers per step);
+    set_state puts a per-tensor state back in place, after which the same batches give the same
+    bits as a new runner from that state, on either path."""
+    run = cnn_runs["fp32"]
+    meta, init = load_run(run), latest_state(run)[0]
+    batches = _batches([16, 16, 16])
+    r = StepRunner(run, meta, init, device_state=bound)
+    assert r.bound is (bound is None)
+    first = [r.step(b) for b in batches]
+    after = r.state_numpy()
+    assert not np.array_equal(after[meta["weights"][0]], init[meta["weights"][0]])
+    r.set_state(init)
+    assert all(np.array_equal(r.state_numpy()[k], init[k]) for k in init)
+    again = [r.step(b) for b in batches]
+    np.testing.assert_array_equal(np.array(first), np.array(again))
+    for k, v in r.state_numpy().items():
+        assert np.array_equal(v, after[k]), k
+
+
 class _Recorder:
     """Counts the IOBinding calls of the steps run while it is installed (monkeypatched methods)."""
     METHODS = ("bind_ortvalue_input", "bind_ortvalue_output", "bind_cpu_input", "bind_output", "bind_input",

@@ -248,7 +248,7 @@ class TrainConfig:
     seed: int = 0
     drop_last: bool = True
     max_steps: int | None = None        # stop after this many steps in total (resumed ones count)
-    device_state: bool | None = None    # keep the state in device OrtValues (None: on CUDA)
+    device_state: bool | None = None    # keep the state in bound OrtValues (None: yes, CPU and CUDA)
     threads: int | None = None          # ONNX Runtime intra-op threads (None or 0: its default)
     skip_bad_samples: bool = False
     device: str | None = None           # "auto" | "cpu" | "cuda" (instead of providers)
