@@ -1,9 +1,9 @@
 """train() / export(): run a step graph made by build_step on ONNX Runtime.
 
 Guarantees:
-- One step-graph run per batch (runner.StepRunner). On CUDA (or with device_state=True) the state lives in
-  OrtValues on the session's device, bound with I/O binding, two buffers used in turn (outputs of step k are
-  the inputs of step k+1): a step copies the batch in and the loss / finite flag out. cuda_graph=True
+- One step-graph run per batch (runner.StepRunner). The state lives in OrtValues on the session's device (the
+  GPU or the CPU; device_state=False: numpy arrays fed and fetched), bound with I/O binding, two buffers used in
+  turn (outputs of step k are the inputs of step k+1): a step copies the batch in and the loss / finite flag out. cuda_graph=True
   (--cuda-graph) replays the step as captured CUDA graphs.
 - Data: an .npz (or a dict) with one array per model input, named as the input, plus the
   labels array (`labels` unless build_step was given another label_name), first axis =
