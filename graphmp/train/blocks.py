@@ -29,8 +29,9 @@ from __future__ import annotations
 import heapq
 import os
 
+import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from ..ir import Names, attr_graphs
 from ..session import CPU
@@ -130,8 +131,8 @@ def block_update(model: onnx.ModelProto, size: int, threads: int = 1, pairs: lis
     out.CopyFrom(model)
     names = Names(model)
     rows, flat = names.fresh("update/blocks/rows"), names.fresh("update/blocks/flat")
-    out.graph.initializer.extend([onnx.numpy_helper.from_array(_i64([size // c, c]), rows),
-                                  onnx.numpy_helper.from_array(_i64([size]), flat)])
+    out.graph.initializer.extend([numpy_helper.from_array(np.array([size // c, c], np.int64), rows),
+                                  numpy_helper.from_array(np.array([size], np.int64), flat)])
     readers = _readers(nodes, model.graph.output)
     moved = {i for g in groups for i in g}
     items = [(i, [n], _needs(n)) for i, n in enumerate(nodes) if i not in moved]
@@ -181,11 +182,6 @@ def _set_dims(info, dims: list) -> None:
     del shape.dim[:]
     for d in dims:
         shape.dim.add().dim_value = d
-
-
-def _i64(values):
-    import numpy as np
-    return np.array(values, np.int64)
 
 
 def _shapes(model, known: dict) -> dict:

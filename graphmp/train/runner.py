@@ -121,6 +121,7 @@ class StepRunner:
         """Replace the state by `state` (per tensor, as state_numpy gives it; checked as at
         construction), in place: a bound path keeps its OrtValues and bindings."""
         packed = _as_rows(pack(self.meta, state), self.rows)
+        check_state(self.sess, packed, self.names, "the state")
         if not self.bound:
             self.state = {n: packed[n] for n in self.names}
             return
